@@ -1,0 +1,1 @@
+"""lmclient: sync and async clients for lmserver and LMCache lm:// servers."""

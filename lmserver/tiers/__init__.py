@@ -1,0 +1,1 @@
+"""Storage tiers behind the Store: memory first, then disk and remote tiers."""

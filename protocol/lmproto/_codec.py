@@ -1,0 +1,171 @@
+"""Header encoders and decoders for both frame generations. No I/O.
+
+Strategy: decoders take any buffer (bytes, bytearray, memoryview) plus an offset and use
+`struct.unpack_from`, so a server can parse many headers out of one receive buffer without
+slicing copies. Encoders return the header alone; the caller sends the body beside it
+(e.g. ``transport.writelines([header, memoryview(body)])``) so no KV blob is ever
+concatenated.
+"""
+
+from __future__ import annotations
+
+from ._constants import (
+    DETECT_SIZE,
+    INT32_MAX,
+    KEY_SIZE,
+    V0_REPLY,
+    V0_REQUEST,
+    V1_REPLY,
+    V1_REQUEST,
+    Command,
+    Generation,
+)
+from ._errors import LocalProtocolError, RemoteProtocolError
+from ._frames import NO_META, PLACEHOLDER_META, ObjectMeta, Reply, Request
+
+_KNOWN_COMMANDS = frozenset(int(c) for c in Command)
+_KEYLESS_COMMANDS = frozenset({Command.LIST, Command.HEALTH, Command.STATS, Command.EXIST_MANY})
+
+# ---------------------------------------------------------------------------------------
+# keys
+
+
+def encode_key(key: str) -> bytes:
+    """The 150-byte key field for ``key``, padded with spaces as upstream's ``ljust`` does.
+
+    Refuses keys that would not decode back to themselves: longer than 150 UTF-8 bytes,
+    containing NUL, or with leading/trailing whitespace (upstream decoders ``strip()``).
+    """
+    if not isinstance(key, str):
+        raise LocalProtocolError(f"key must be str, not {type(key).__name__}")
+    raw = key.encode("utf-8")
+    if len(raw) > KEY_SIZE:
+        raise LocalProtocolError(f"key is {len(raw)} UTF-8 bytes; the limit is {KEY_SIZE}")
+    if "\x00" in key:
+        raise LocalProtocolError("key contains NUL")
+    if key != key.strip():
+        raise LocalProtocolError("key has leading or trailing whitespace, which the wire strips")
+    return raw.ljust(KEY_SIZE, b" ")
+
+
+def validate_key(key: str) -> None:
+    """Raise LocalProtocolError if ``key`` cannot be carried; see encode_key."""
+    encode_key(key)
+
+
+def _decode_key(raw: bytes) -> tuple[str, str | None]:
+    """(key, problem): NUL or space padding removed, whitespace stripped like upstream."""
+    try:
+        text = raw.rstrip(b"\x00").decode("utf-8")
+    except UnicodeDecodeError:
+        return "", "key is not valid UTF-8"
+    if "\x00" in text:
+        return "", "key contains NUL"
+    return text.strip(), None
+
+
+# ---------------------------------------------------------------------------------------
+# generation detection
+
+
+def detect_generation(buf: bytes | bytearray | memoryview, offset: int = 0) -> Generation | None:
+    """Which generation a connection speaks, from the first bytes of its first header.
+
+    Bytes 8..11 are the v1 ``fmt`` field (a small integer, so bytes 9..11 are NUL) but key
+    text in v0, which never holds NUL there. Returns None until 12 bytes are available.
+    """
+    if len(buf) - offset < DETECT_SIZE:
+        return None
+    if buf[offset + 9] == 0 and buf[offset + 10] == 0 and buf[offset + 11] == 0:
+        return Generation.V1
+    return Generation.V0
+
+
+# ---------------------------------------------------------------------------------------
+# requests
+
+
+def encode_request(
+    command: int,
+    key: str = "",
+    length: int = 0,
+    *,
+    generation: Generation = Generation.V0,
+    meta: ObjectMeta = NO_META,
+) -> bytes:
+    """Request header bytes; ``length`` body bytes must follow it on the wire."""
+    if not 0 <= length <= INT32_MAX:
+        raise LocalProtocolError(f"body length {length} does not fit the int32 length field")
+    field = encode_key(key)
+    if generation == Generation.V0:
+        return V0_REQUEST.pack(command, length, field)
+    s0, s1, s2, s3 = _shape4(meta.shape)
+    return V1_REQUEST.pack(command, length, meta.fmt, meta.dtype, meta.location, s0, s1, s2, s3, field)
+
+
+def decode_request(
+    buf: bytes | bytearray | memoryview, generation: Generation, offset: int = 0
+) -> Request:
+    """Decode one request header at ``offset``; the caller guarantees enough bytes.
+
+    Raises RemoteProtocolError only for a negative length (the stream cannot be framed).
+    Everything else that makes a request unservable lands in ``Request.problem``.
+    """
+    if generation == Generation.V0:
+        command, length, raw = V0_REQUEST.unpack_from(buf, offset)
+        meta = NO_META
+    else:
+        command, length, fmt, dtype, location, s0, s1, s2, s3, raw = V1_REQUEST.unpack_from(buf, offset)
+        meta = ObjectMeta(fmt, dtype, (s0, s1, s2, s3), location)
+    if length < 0:
+        raise RemoteProtocolError(f"negative body length {length} (command {command})")
+    key, problem = _decode_key(raw)
+    if problem is None:
+        if command not in _KNOWN_COMMANDS:
+            problem = f"unknown command {command}"
+        elif not key and command not in _KEYLESS_COMMANDS:
+            problem = "empty key"
+    return Request(command, length, key, meta, generation, problem)
+
+
+# ---------------------------------------------------------------------------------------
+# replies
+
+
+def encode_reply(
+    status: int,
+    length: int = 0,
+    *,
+    generation: Generation = Generation.V0,
+    meta: ObjectMeta = PLACEHOLDER_META,
+) -> bytes:
+    """Reply header bytes; ``length`` body bytes must follow it on the wire."""
+    if not 0 <= length <= INT32_MAX:
+        raise LocalProtocolError(f"body length {length} does not fit the int32 length field")
+    if generation == Generation.V0:
+        return V0_REPLY.pack(status, length)
+    s0, s1, s2, s3 = _shape4(meta.shape)
+    return V1_REPLY.pack(status, length, meta.fmt, meta.dtype, s0, s1, s2, s3, meta.location)
+
+
+def decode_reply(buf: bytes | bytearray | memoryview, generation: Generation, offset: int = 0) -> Reply:
+    """Decode one reply header at ``offset``; raises RemoteProtocolError on a negative length."""
+    if generation == Generation.V0:
+        status, length = V0_REPLY.unpack_from(buf, offset)
+        meta = NO_META
+    else:
+        status, length, fmt, dtype, s0, s1, s2, s3, location = V1_REPLY.unpack_from(buf, offset)
+        meta = ObjectMeta(fmt, dtype, (s0, s1, s2, s3), location)
+    if length < 0:
+        raise RemoteProtocolError(f"negative reply length {length} (status {status})")
+    return Reply(status, length, meta, generation)
+
+
+def _shape4(shape: tuple[int, ...]) -> tuple[int, int, int, int]:
+    if len(shape) > 4:
+        raise LocalProtocolError(f"shape has {len(shape)} dimensions; the wire carries at most 4")
+    padded = tuple(shape) + (0,) * (4 - len(shape))
+    for dim in padded:
+        if not -(2**31) <= dim <= INT32_MAX:
+            raise LocalProtocolError(f"shape dimension {dim} does not fit int32")
+    return padded  # type: ignore[return-value]
