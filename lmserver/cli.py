@@ -1,0 +1,239 @@
+"""The ``lmcache-server`` command line.
+
+    lmcache-server --port 65432 --disk /data          # serve (the default command)
+    lmcache-server localhost 65432 cpu                # upstream LMCache's positional form
+    lmcache-server health --port 65432                # exit 0 if the server answers HEALTH
+
+Every serve option can also come from an environment variable ``LMSERVER_<OPTION>``.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+from lmproto import REPLY_SIZE, Command, Generation, Status, decode_json, decode_reply, encode_request
+
+from . import __version__
+from .config import DEFAULT_DISK_LIMIT, DEFAULT_MAX_OBJECT_SIZE, DEFAULT_PORT, ServerConfig
+from .sizes import format_size, parse_size
+
+
+class Size(click.ParamType):
+    name = "size"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        try:
+            return parse_size(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+SIZE = Size()
+
+
+class DefaultToServe(click.Group):
+    """Runs ``serve`` when the first argument is not a subcommand, so both
+    ``lmcache-server --port 1`` and ``lmcache-server HOST PORT cpu`` work."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if not args or (args[0] not in self.commands and args[0] not in ("--help", "-h", "--version")):
+            args = ["serve", *args]
+        return super().parse_args(ctx, args)
+
+
+def _env(name: str) -> str:
+    return f"LMSERVER_{name}"
+
+
+@click.group(cls=DefaultToServe, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="lmcache-server")
+def main() -> None:
+    """lmserver: a remote KV-cache server for LMCache's lm:// protocol.
+
+    Without a subcommand, serves (see `lmcache-server serve --help`).
+    """
+
+
+@main.command(context_settings={"show_default": True})
+@click.argument("positional", nargs=-1, metavar="[HOST PORT [cpu|PATH]]")
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    envvar=_env("HOST"),
+    show_envvar=True,
+    help="Address to bind. 127.0.0.1 keeps the cache private to this host; use 0.0.0.0 to serve a network.",
+)
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=DEFAULT_PORT,
+    envvar=_env("PORT"),
+    show_envvar=True,
+    help="TCP port (0 picks a free one and logs it).",
+)
+@click.option(
+    "--memory-limit",
+    type=SIZE,
+    default=None,
+    envvar=_env("MEMORY_LIMIT"),
+    show_envvar=True,
+    help="Bytes of object memory, never exceeded; LRU objects are evicted to make room. "
+    "[default: half of physical memory]",
+)
+@click.option(
+    "--max-object-size",
+    type=SIZE,
+    default=format_size(DEFAULT_MAX_OBJECT_SIZE),
+    envvar=_env("MAX_OBJECT_SIZE"),
+    show_envvar=True,
+    help="Largest object accepted; larger PUTs are refused without allocating.",
+)
+@click.option(
+    "--disk",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    envvar=_env("DISK"),
+    show_envvar=True,
+    help="Directory of the persistent disk tier behind memory.",
+)
+@click.option(
+    "--disk-limit",
+    type=SIZE,
+    default=format_size(DEFAULT_DISK_LIMIT),
+    envvar=_env("DISK_LIMIT"),
+    show_envvar=True,
+    help="Bytes the disk tier may use (files and headers); LRU eviction beyond.",
+)
+@click.option(
+    "--fsync",
+    type=click.Choice(["always", "batch", "never"]),
+    default="batch",
+    envvar=_env("FSYNC"),
+    show_envvar=True,
+    help="Disk durability: always = fsync every object before it counts as stored; batch = "
+    "group fsyncs within a short window; never = page cache only (survives a process crash, "
+    "not power loss).",
+)
+@click.option(
+    "--max-connections",
+    type=click.IntRange(1),
+    default=4096,
+    envvar=_env("MAX_CONNECTIONS"),
+    show_envvar=True,
+    help="Connections served at once; more are closed on accept.",
+)
+@click.option(
+    "--protocol",
+    type=click.Choice(["auto", "v0", "v1"]),
+    default="auto",
+    envvar=_env("PROTOCOL"),
+    show_envvar=True,
+    help="Frame generation: auto detects it per connection from the first header.",
+)
+@click.option(
+    "--max-list-keys",
+    type=click.IntRange(1),
+    default=1_000_000,
+    envvar=_env("MAX_LIST_KEYS"),
+    show_envvar=True,
+    help="Most keys one LIST reply carries.",
+)
+@click.option(
+    "--shutdown-timeout",
+    type=click.FloatRange(0),
+    default=10.0,
+    envvar=_env("SHUTDOWN_TIMEOUT"),
+    show_envvar=True,
+    help="Seconds SIGTERM/SIGINT waits for in-flight requests.",
+)
+@click.option(
+    "--loop",
+    type=click.Choice(["auto", "uvloop", "asyncio"]),
+    default="auto",
+    envvar=_env("LOOP"),
+    show_envvar=True,
+    help="Event loop: uvloop when installed (auto), or the standard library's.",
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default="info",
+    envvar=_env("LOG_LEVEL"),
+    show_envvar=True,
+)
+@click.option(
+    "--log-format",
+    type=click.Choice(["auto", "console", "json"]),
+    default="auto",
+    envvar=_env("LOG_FORMAT"),
+    show_envvar=True,
+    help="auto: human-readable on a terminal, JSON lines otherwise.",
+)
+def serve(positional: tuple[str, ...], **options: Any) -> None:
+    """Serve the lm:// protocol (both frame generations) until SIGTERM or SIGINT."""
+    from .server import run
+
+    if positional:
+        if len(positional) not in (2, 3):
+            raise click.UsageError("the positional form is: HOST PORT [cpu|PATH]")
+        options["host"] = positional[0]
+        try:
+            options["port"] = int(positional[1])
+        except ValueError:
+            raise click.UsageError(f"PORT must be a number, not {positional[1]!r}") from None
+        if len(positional) == 3 and positional[2] != "cpu":
+            options["disk"] = Path(positional[2])
+    if options["memory_limit"] is None:
+        del options["memory_limit"]
+    try:
+        config = ServerConfig(**options)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    sys.exit(run(config))
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", envvar=_env("HOST"), show_default=True)
+@click.option(
+    "--port", type=click.IntRange(1, 65535), default=DEFAULT_PORT, envvar=_env("PORT"), show_default=True
+)
+@click.option("--timeout", type=click.FloatRange(0), default=3.0, show_default=True)
+@click.option("--stats", "show_stats", is_flag=True, help="Also print the server's STATS as JSON.")
+def health(host: str, port: int, timeout: float, show_stats: bool) -> None:
+    """Ask a running server for HEALTH over the protocol; exit 0 if healthy, 1 if not."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            status, _ = _ask(sock, Command.HEALTH)
+            if show_stats:
+                _, body = _ask(sock, Command.STATS)
+                click.echo(click.style(str(decode_json(body)), fg=None))
+    except OSError as exc:
+        click.echo(f"unhealthy: {host}:{port}: {exc}", err=True)
+        sys.exit(1)
+    if status != Status.SUCCESS:
+        click.echo(f"unhealthy: {host}:{port} answered {status}", err=True)
+        sys.exit(1)
+    click.echo(f"healthy: {host}:{port}")
+
+
+def _ask(sock: socket.socket, command: Command) -> tuple[int, bytes]:
+    sock.sendall(encode_request(command, generation=Generation.V0))
+    header = _recv_exactly(sock, REPLY_SIZE[Generation.V0])
+    reply = decode_reply(header, Generation.V0)
+    return reply.status, _recv_exactly(sock, reply.length)
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise ConnectionError("server closed the connection")
+        got += k
+    return bytes(buf)

@@ -1,0 +1,67 @@
+"""Server configuration: one frozen dataclass, filled by the CLI or by tests directly."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+DEFAULT_PORT = 65432
+DEFAULT_MAX_OBJECT_SIZE = 512 * 1024**2
+DEFAULT_DISK_LIMIT = 64 * 1024**3
+
+
+def physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return 8 * 1024**3
+
+
+def default_memory_limit() -> int:
+    """Half of physical memory: room for the OS page cache (the disk tier lives on it) and
+    the rest of the host, and far from the OOM killer that ends upstream servers."""
+    return physical_memory() // 2
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    # Frames: "auto" decides per connection from the first header.
+    protocol: Literal["auto", "v0", "v1"] = "auto"
+    # Memory tier
+    memory_limit: int = field(default_factory=default_memory_limit)
+    max_object_size: int = DEFAULT_MAX_OBJECT_SIZE
+    # Disk tier (None: memory only)
+    disk: Path | None = None
+    disk_limit: int = DEFAULT_DISK_LIMIT
+    fsync: Literal["always", "batch", "never"] = "batch"
+    # Bytes of fire-and-forget PUTs accepted into memory but not yet written to the
+    # lower tiers; past it, connections stop reading PUTs until the backlog drains.
+    write_behind_limit: int = 256 * 1024**2
+    # Connections and requests
+    max_connections: int = 4096
+    max_list_keys: int = 1_000_000
+    put_wait_timeout: float = 5.0  # how long a PUT waits for memory before it is refused
+    shutdown_timeout: float = 10.0  # graceful drain bound on SIGTERM/SIGINT
+    loop: Literal["auto", "uvloop", "asyncio"] = "auto"
+    # Logging
+    log_level: str = "info"
+    log_format: Literal["auto", "console", "json"] = "auto"
+
+    def replace(self, **changes: Any) -> ServerConfig:
+        return replace(self, **changes)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port {self.port} out of range")
+        if self.memory_limit <= 0:
+            raise ValueError("memory limit must be positive")
+        if not 0 <= self.max_object_size <= 2**31 - 1:
+            raise ValueError("max object size must fit the protocol's int32 length (< 2 GiB)")
+        if self.max_object_size > self.memory_limit:
+            object.__setattr__(self, "max_object_size", self.memory_limit)
+        if self.max_connections < 1:
+            raise ValueError("max connections must be at least 1")

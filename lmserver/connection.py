@@ -1,0 +1,501 @@
+"""One client connection: a BufferedProtocol state machine, header -> body -> dispatch.
+
+Strategy:
+
+* Headers (and the first bytes of bodies) are received into a per-connection staging
+  buffer and parsed many per read, so a burst of pipelined small requests costs one
+  wakeup and one reply write.
+* The rest of a PUT body is received straight into the memory entry it will be stored in
+  (``get_buffer`` returns a view of it): no copy after the kernel. A body the server
+  refuses is read into the staging buffer and dropped, so the stream stays framed and
+  nothing is allocated for it.
+* Requests are answered strictly in order. Memory operations are answered inline; an
+  operation that must wait (a lower-tier read, a PUT_ACK waiting for disk, a PUT waiting
+  for memory) pauses reading until it is done, then parsing resumes where it stopped.
+* Replies are queued during a read callback and written together at its end, header and
+  body as separate buffers (no concatenation). An object being sent stays pinned until the
+  transport's buffer has drained: the write-buffer limits are (0, 0), so the loop reports
+  every partial write with ``pause_writing`` and the full drain with ``resume_writing``.
+  That is also the backpressure: while anything is unsent, the connection reads nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import structlog
+from lmproto import (
+    MAX_CONTROL_BODY,
+    NO_META,
+    PLACEHOLDER_META,
+    REQUEST_SIZE,
+    Command,
+    Generation,
+    MalformedBody,
+    ObjectMeta,
+    RemoteProtocolError,
+    Request,
+    Status,
+    decode_key_list,
+    decode_request,
+    detect_generation,
+    encode_error_text,
+    encode_json,
+    encode_key_lines,
+    encode_presence,
+    encode_reply,
+)
+
+from .memory import Entry
+from .state import ServerState
+
+log = structlog.get_logger("lmserver.connection")
+
+STAGING_SIZE = 64 * 1024
+"""Header staging buffer: holds ~400 pipelined requests; at most this much of a body is copied."""
+
+FLUSH_THRESHOLD = 4 * 1024 * 1024
+"""Reply bytes queued in one callback before they are written without waiting for its end."""
+
+_EMPTY = memoryview(b"")
+
+
+def _canned_replies(generation: Generation) -> dict[int, bytes]:
+    return {
+        status: encode_reply(status, 0, generation=generation, meta=PLACEHOLDER_META) for status in Status
+    }
+
+
+_CANNED = {gen: _canned_replies(gen) for gen in Generation}
+
+
+class LMProtocol(asyncio.BufferedProtocol):
+    def __init__(self, state: ServerState) -> None:
+        # Shared server state
+        self.state = state
+        self.store = state.store
+        self.config = state.config
+        self.counters = state.counters
+
+        # Per-connection state
+        self.transport: asyncio.Transport | None = None
+        self.peer: Any = None
+        self.generation: Generation | None = {"v0": Generation.V0, "v1": Generation.V1}.get(
+            self.config.protocol
+        )
+        self.staging = bytearray(STAGING_SIZE)
+        self.staging_view = memoryview(self.staging)
+        self.start = 0  # staged bytes not yet parsed are staging[start:end]
+        self.end = 0
+        self.replies: list[bytes | memoryview] = []
+        self.reply_bytes = 0
+        self.reply_pins: list[Entry] = []  # entries referenced by queued replies
+        self.unsent_pins: list[Entry] = []  # entries referenced by bytes the transport holds
+        self.write_paused = False
+        self.busy = False  # an awaited operation is in flight; parsing waits for it
+        self.closing = False  # finish the current request, then close
+        self.closed = False
+
+        # Per-request state: where the current body goes and what happens when it is in
+        self.body: memoryview | None = None
+        self.body_pos = 0
+        self.body_done: Callable[[], None] | None = None
+        self.body_entry: Entry | None = None  # a PUT's reservation, aborted if cut short
+        self.discard_left = 0
+
+    # -- connection lifecycle -------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
+        self.peer = transport.get_extra_info("peername")
+        if self.state.shutting_down or len(self.state.connections) >= self.config.max_connections:
+            self.counters["connections_refused"] += 1
+            log.warning(
+                "connection refused",
+                peer=self.peer,
+                reason="shutting down" if self.state.shutting_down else "max connections reached",
+                max_connections=self.config.max_connections,
+            )
+            self.closed = True
+            self.transport.abort()  # type: ignore[union-attr]
+            return
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.transport.set_write_buffer_limits(high=0, low=0)  # type: ignore[union-attr]
+        self.state.connections.add(self)
+        self.state.no_connections.clear()
+        self.counters["connections_accepted"] += 1
+        log.debug("connection open", peer=self.peer, connections=len(self.state.connections))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.state.connections.discard(self)
+        if not self.state.connections:
+            self.state.no_connections.set()
+        if self.body_entry is not None:
+            # A PUT cut short: its reservation is never published.
+            self.counters["puts_cut_short"] += 1
+            self.store.abort(self.body_entry)
+            self.body_entry = None
+        self._release_pins()
+        self.body = None
+        log.debug("connection closed", peer=self.peer, error=repr(exc) if exc else None)
+
+    def eof_received(self) -> bool:
+        if self.body is not None or self.discard_left or self.end > self.start:
+            log.info("peer closed mid-request", peer=self.peer, unparsed=self.end - self.start)
+        return False  # close our side too
+
+    def shutdown(self) -> None:
+        """Graceful stop: finish the request in progress, then close."""
+        self.closing = True
+        self._close_if_idle()
+
+    def _close_if_idle(self) -> None:
+        if self.closing and not self.closed and not self.busy and self.body is None and not self.discard_left:
+            self.closed = True
+            assert self.transport is not None
+            self.transport.close()
+
+    def _fatal(self, reason: str) -> None:
+        """The stream can no longer be framed: log, count, and close this connection only."""
+        self.counters["protocol_errors"] += 1
+        log.warning("protocol error, closing connection", peer=self.peer, reason=reason)
+        self._flush()
+        self.closed = True
+        assert self.transport is not None
+        self.transport.close()
+
+    # -- reading --------------------------------------------------------------------------
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self.body is not None:
+            return self.body[self.body_pos :]
+        if self.discard_left:
+            return self.staging_view  # staging is empty whenever a body is being received
+        if self.start and self.end + 512 > STAGING_SIZE:
+            # Move a partial header to the front so a whole one always fits.
+            pending = self.end - self.start
+            self.staging[:pending] = self.staging_view[self.start : self.end]
+            self.start, self.end = 0, pending
+        return self.staging_view[self.end :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.closed:
+            return
+        self.counters["bytes_received"] += nbytes
+        if self.body is not None:
+            self.body_pos += nbytes
+            if self.body_pos == len(self.body):
+                self._body_complete()
+        elif self.discard_left:
+            dropped = min(nbytes, self.discard_left)
+            self.discard_left -= dropped
+            self.start, self.end = dropped, nbytes
+            if not self.end > self.start:
+                self.start = self.end = 0
+        else:
+            self.end += nbytes
+        self._process()
+
+    def _process(self) -> None:
+        """Parse and serve staged requests until data runs out or something must wait."""
+        while not (self.busy or self.write_paused or self.closed or self.closing):
+            if self.body is not None or self.discard_left:
+                break
+            if self.generation is None:
+                self.generation = detect_generation(self.staging_view[: self.end], self.start)
+                if self.generation is None:
+                    break
+            size = REQUEST_SIZE[self.generation]
+            if self.end - self.start < size:
+                break
+            try:
+                request = decode_request(self.staging, self.generation, self.start)
+            except RemoteProtocolError as exc:
+                self._fatal(str(exc))
+                return
+            self.start += size
+            if self.start == self.end:
+                self.start = self.end = 0
+            self.counters["requests"] += 1
+            self._on_header(request)
+            if self.reply_bytes >= FLUSH_THRESHOLD:
+                self._flush()
+        self._flush()
+        self._close_if_idle()
+        self._update_reading()
+
+    # -- request headers ------------------------------------------------------------------
+
+    def _on_header(self, req: Request) -> None:
+        command = req.command
+        if req.problem is not None:
+            self._refuse(req, Status.FAIL, req.problem, counter="bad_requests")
+        elif command == Command.PUT or command == Command.PUT_ACK:
+            self._begin_put(req)
+        elif req.length > MAX_CONTROL_BODY:
+            self._refuse(req, Status.TOO_LARGE, f"body of {req.length} bytes exceeds {MAX_CONTROL_BODY}")
+        elif req.length:
+            # Control bodies are small, but many connections could send one at once: take
+            # them from the memory budget like objects, and give the buffer back after use.
+            scratch = self.store.reserve(req.length)
+            if scratch is None:
+                self._refuse(
+                    req, Status.NO_SPACE, "no memory for the request body", counter="refused_no_space"
+                )
+                return
+            self.body_entry = scratch
+            self._receive_body(scratch.view, lambda: self._dispatch_scratch(req, scratch))
+        else:
+            self._dispatch(req, _EMPTY)
+
+    def _refuse(self, req: Request, status: Status, reason: str, *, counter: str = "refused") -> None:
+        """Answer a request the server will not serve, and drop its body unread."""
+        self.counters[counter] += 1
+        log.debug("request refused", peer=self.peer, command=req.command, reason=reason)
+        if req.command == Command.PUT:
+            pass  # fire-and-forget: upstream clients read no reply to a PUT
+        elif req.command in _EXTENSIONS:
+            body = encode_error_text(reason)
+            self._reply(status, memoryview(body))
+        else:
+            self._reply(Status.FAIL)  # upstream commands: 400, length 0, nothing else
+        self.discard_left = req.length
+        self._drain_staged_discard()
+
+    def _drain_staged_discard(self) -> None:
+        staged = self.end - self.start
+        dropped = min(staged, self.discard_left)
+        self.discard_left -= dropped
+        self.start += dropped
+        if self.start == self.end:
+            self.start = self.end = 0
+
+    def _receive_body(self, target: memoryview, done: Callable[[], None]) -> None:
+        """Fill ``target`` with the body: first from staging, then straight from the socket."""
+        staged = min(self.end - self.start, len(target))
+        if staged:
+            target[:staged] = self.staging_view[self.start : self.start + staged]
+            self.start += staged
+            if self.start == self.end:
+                self.start = self.end = 0
+        if staged == len(target):
+            done()
+            return
+        self.body, self.body_pos, self.body_done = target, staged, done
+
+    def _body_complete(self) -> None:
+        done = self.body_done
+        self.body = self.body_done = None
+        assert done is not None
+        done()
+
+    # -- PUT ------------------------------------------------------------------------------
+
+    def _begin_put(self, req: Request) -> None:
+        if req.length > self.config.max_object_size:
+            self._refuse(
+                req,
+                Status.TOO_LARGE,
+                f"object of {req.length} bytes exceeds the limit of {self.config.max_object_size}",
+                counter="refused_too_large",
+            )
+            return
+        if self.store.write_backlog_full:
+            self._await(self.store.wait_write_backlog(), lambda _: self._begin_put(req))
+            return
+        entry = self.store.reserve(req.length)
+        if entry is None:
+            self._await(
+                self.store.reserve_wait(req.length, self.config.put_wait_timeout),
+                lambda entry: self._receive_put(req, entry),
+            )
+            return
+        self._receive_put(req, entry)
+
+    def _receive_put(self, req: Request, entry: Entry | None) -> None:
+        if entry is None:
+            self._refuse(req, Status.NO_SPACE, "memory is full of objects in use", counter="refused_no_space")
+            return
+        self.body_entry = entry
+        self._receive_body(memoryview(entry.buffer)[: req.length], lambda: self._finish_put(req, entry))
+
+    def _finish_put(self, req: Request, entry: Entry) -> None:
+        self.body_entry = None
+        meta = req.meta if req.generation == Generation.V1 else NO_META
+        persisted = self.store.commit(req.key, entry, meta)
+        self.counters["puts"] += 1
+        if req.command != Command.PUT_ACK:
+            return
+        if persisted is None:
+            self._reply(Status.SUCCESS)
+        else:
+            self._await(persisted, self._ack_persisted)
+
+    def _ack_persisted(self, ok: bool) -> None:
+        if ok:
+            self._reply(Status.SUCCESS)
+        else:
+            self._reply(Status.NO_SPACE, memoryview(encode_error_text("stored in memory, not on disk")))
+
+    # -- other commands -------------------------------------------------------------------
+
+    def _dispatch_scratch(self, req: Request, scratch: Entry) -> None:
+        self.body_entry = None
+        try:
+            self._dispatch(req, scratch.view)
+        finally:
+            self.store.abort(scratch)
+
+    def _dispatch(self, req: Request, body: memoryview) -> None:
+        command = req.command
+        if command == Command.GET:
+            entry = self.store.get(req.key)
+            if entry is not None:
+                self._reply_object(entry)
+            elif self.store.in_lower(req.key):
+                self._await(self.store.fetch(req.key), self._reply_fetched)
+            else:
+                self._reply(Status.FAIL)
+        elif command == Command.EXIST:
+            self._reply(Status.SUCCESS if self.store.contains(req.key) else Status.FAIL)
+        elif command == Command.LIST:
+            keys = self.store.keys(req.key, self.config.max_list_keys)
+            self._reply(Status.SUCCESS, memoryview(encode_key_lines(keys)))
+        elif command == Command.HEALTH:
+            self._reply(Status.FAIL if self.state.shutting_down else Status.SUCCESS)
+        elif command == Command.DELETE:
+            self._await(self.store.delete(req.key), self._reply_deleted)
+        elif command == Command.EXIST_MANY:
+            try:
+                keys = decode_key_list(body)
+            except MalformedBody as exc:
+                self.counters["bad_requests"] += 1
+                self._reply(Status.FAIL, memoryview(encode_error_text(str(exc))))
+                return
+            contains = self.store.contains
+            self._reply(Status.SUCCESS, memoryview(encode_presence([contains(k) for k in keys])))
+        elif command == Command.STATS:
+            self._reply(Status.SUCCESS, memoryview(encode_json(self.state_stats())))
+        else:  # pragma: no cover - decode_request flags unknown commands as problems
+            self._reply(Status.FAIL)
+
+    def _reply_fetched(self, entry: Entry | None) -> None:
+        if entry is None:
+            self._reply(Status.FAIL)
+        else:
+            self._reply_object(entry)
+
+    def _reply_deleted(self, found: bool) -> None:
+        self._reply(Status.SUCCESS if found else Status.NOT_FOUND)
+
+    def state_stats(self) -> dict[str, Any]:
+        from .stats import server_stats
+
+        return server_stats(self.state)
+
+    # -- replies ------------------------------------------------------------------------
+
+    def _reply(self, status: int, body: memoryview = _EMPTY) -> None:
+        assert self.generation is not None
+        if body:
+            header = encode_reply(status, len(body), generation=self.generation, meta=PLACEHOLDER_META)
+            self.replies += (header, body)
+        else:
+            self.replies.append(_CANNED[self.generation][status])
+        self.reply_bytes += len(body) + 8
+
+    def _reply_object(self, entry: Entry) -> None:
+        """A GET hit: header with the stored metadata, then the object's own buffer."""
+        assert self.generation is not None
+        meta: ObjectMeta = entry.meta
+        header = encode_reply(Status.SUCCESS, entry.length, generation=self.generation, meta=meta)
+        self.replies += (header, entry.view)
+        self.reply_pins.append(entry)
+        self.reply_bytes += entry.length
+        self.counters["gets_served"] += 1
+
+    def _flush(self) -> None:
+        if not self.replies or self.closed:
+            return
+        replies, self.replies, self.reply_bytes = self.replies, [], 0
+        transport = self.transport
+        assert transport is not None
+        if len(replies) == 1:
+            transport.write(replies[0])
+        else:
+            transport.writelines(replies)
+        if self.reply_pins:
+            if transport.get_write_buffer_size() == 0:
+                self._unpin(self.reply_pins)
+            else:
+                self.unsent_pins += self.reply_pins
+            self.reply_pins = []
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+        self._update_reading()
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        self._unpin(self.unsent_pins)
+        self.unsent_pins = []
+        self._process()
+
+    def _unpin(self, entries: list[Entry]) -> None:
+        unpin = self.store.memory.unpin
+        for entry in entries:
+            unpin(entry)
+
+    def _release_pins(self) -> None:
+        self._unpin(self.reply_pins)
+        self._unpin(self.unsent_pins)
+        self.reply_pins, self.unsent_pins = [], []
+
+    # -- waiting ------------------------------------------------------------------------
+
+    def _await(self, awaitable: Awaitable[Any], then: Callable[[Any], None]) -> None:
+        """Run ``awaitable``; parsing stops until ``then(result)`` has run."""
+        self.busy = True
+        self._flush()
+        task = asyncio.ensure_future(awaitable)
+        self.state.tasks.add(task)
+        task.add_done_callback(lambda t: self._resume(t, then))
+
+    def _resume(self, task: asyncio.Future[Any], then: Callable[[Any], None]) -> None:
+        self.state.tasks.discard(task)
+        self.busy = False
+        if task.cancelled():
+            self._fatal("operation cancelled")
+            return
+        exc = task.exception()
+        if exc is not None:
+            log.error("request failed", peer=self.peer, error=repr(exc), exc_info=exc)
+            self.counters["internal_errors"] += 1
+            self._fatal("internal error")
+            return
+        result = task.result()
+        if self.closed:
+            # The peer left while we waited: give back what the operation handed us.
+            if isinstance(result, Entry):
+                self.store.memory.unpin(result)
+            return
+        then(result)
+        self._process()
+
+    def _update_reading(self) -> None:
+        if self.closed or self.transport is None:
+            return
+        idle_closing = self.closing and self.body is None and not self.discard_left
+        if self.busy or self.write_paused or idle_closing:
+            self.transport.pause_reading()
+        else:
+            self.transport.resume_reading()
+
+
+_EXTENSIONS = frozenset({Command.PUT_ACK, Command.DELETE, Command.EXIST_MANY, Command.STATS})

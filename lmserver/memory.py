@@ -1,0 +1,249 @@
+"""The memory tier: sharded LRU maps over pooled buffers, with byte-exact capacity.
+
+Strategy:
+
+* Every object lives in an ``Entry`` whose buffer comes from a `BufferPool` sized to the
+  memory limit, so the limit covers objects, bodies still arriving (reservations) and
+  evicted objects that are still being sent or written elsewhere.
+* An entry is *pinned* while anyone reads its buffer outside the tier (a GET reply still
+  in the socket's send queue, a write-behind to disk). Removing a pinned entry unlinks it
+  at once but returns its buffer to the pool only when the last pin goes, so a buffer is
+  never rewritten under a reader.
+* Keys are spread over N shards, each a lock and an insertion-ordered dict kept in
+  recency order. Every access stamps the entry with a global tick, so the global LRU
+  victim is the shard head with the smallest tick: exact LRU with short, sharded locks.
+* Recency: GET (hit) and PUT refresh an object; EXIST, EXIST_MANY, LIST and STATS do not,
+  so a lookup storm never reorders what is cached.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from lmproto import NO_META, ObjectMeta
+from sortedcontainers import SortedSet
+
+from .pool import BufferPool
+
+
+class Entry:
+    """One object (or one reservation, before ``commit``) and its buffer."""
+
+    __slots__ = ("buffer", "key", "length", "live", "meta", "pins", "tick")
+
+    def __init__(self, buffer: bytearray, length: int) -> None:
+        self.buffer = buffer
+        self.length = length
+        self.key = ""
+        self.meta: ObjectMeta = NO_META
+        self.pins = 1  # the creator's pin: a reservation is pinned by its writer
+        self.live = False  # reachable through the index
+        self.tick = 0
+
+    @property
+    def view(self) -> memoryview:
+        """The object's bytes (a view; no copy)."""
+        return memoryview(self.buffer)[: self.length]
+
+
+@dataclass
+class MemoryCounters:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
+    refusals: int = 0
+
+
+class _Shard:
+    __slots__ = ("entries", "lock")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.entries: dict[str, Entry] = {}
+
+
+class MemoryTier:
+    """Thread-safe; used synchronously from the event loop and from tier worker threads."""
+
+    name = "memory"
+
+    def __init__(self, capacity: int, *, shards: int = 16) -> None:
+        self.pool = BufferPool(capacity)
+        self.counters = MemoryCounters()
+        self._shards = [_Shard() for _ in range(shards)]
+        self._ticks = itertools.count(1)
+        self._keys: SortedSet = SortedSet()
+        self._keys_lock = threading.Lock()
+        self._bytes = 0
+        self.on_space_freed: Callable[[], None] | None = None
+
+    @property
+    def capacity(self) -> int:
+        return self.pool.capacity
+
+    def _shard(self, key: str) -> _Shard:
+        return self._shards[hash(key) % len(self._shards)]
+
+    # -- writing --------------------------------------------------------------------------
+
+    def reserve(self, length: int) -> Entry | None:
+        """A pinned, unpublished entry with room for ``length`` bytes, evicting LRU objects
+        as needed; None when even eviction cannot make room (everything left is pinned)."""
+        while True:
+            buf = self.pool.acquire(length)
+            if buf is not None:
+                return Entry(buf, length)
+            if not self._evict_one():
+                self.counters.refusals += 1
+                return None
+
+    def commit(self, key: str, entry: Entry, meta: ObjectMeta) -> None:
+        """Publish a reserved entry under ``key`` (replacing any old object) and drop the
+        writer's pin. The caller may pin it again first if it keeps using the buffer."""
+        entry.key = key
+        entry.meta = meta
+        entry.live = True
+        shard = self._shard(key)
+        with shard.lock:
+            entry.tick = next(self._ticks)
+            old = shard.entries.pop(key, None)
+            shard.entries[key] = entry
+            if old is not None:
+                old.live = False
+        with self._keys_lock:
+            self._bytes += entry.length
+            if old is None:
+                self._keys.add(key)
+            else:
+                self._bytes -= old.length
+        if old is not None:
+            self._drop_pin_if_dead(old, unpin=False)
+        self.unpin(entry)
+
+    def commit_if_absent(self, key: str, entry: Entry, meta: ObjectMeta) -> bool:
+        """Like commit, unless ``key`` is already present (a newer PUT won): then the
+        reservation is released. Used when promoting from a lower tier."""
+        shard = self._shard(key)
+        with shard.lock:
+            present = key in shard.entries
+        if present:
+            self.unpin(entry)
+            return False
+        self.commit(key, entry, meta)
+        return True
+
+    def abort(self, entry: Entry) -> None:
+        """Give back a reservation that will never be published (PUT cut short)."""
+        self.unpin(entry)
+
+    # -- reading ------------------------------------------------------------------------
+
+    def get(self, key: str) -> Entry | None:
+        """The object under ``key``, pinned and refreshed in the LRU; the caller unpins."""
+        shard = self._shard(key)
+        with shard.lock:
+            entry = shard.entries.pop(key, None)
+            if entry is None:
+                self.counters.misses += 1
+                return None
+            shard.entries[key] = entry  # re-insert: most recently used goes last
+            entry.tick = next(self._ticks)
+            entry.pins += 1
+        self.counters.hits += 1
+        return entry
+
+    def contains(self, key: str) -> bool:
+        """Presence without touching recency."""
+        return key in self._shard(key).entries
+
+    def pin(self, entry: Entry) -> None:
+        with self._shard(entry.key).lock:
+            entry.pins += 1
+
+    def unpin(self, entry: Entry) -> None:
+        self._drop_pin_if_dead(entry, unpin=True)
+
+    def _drop_pin_if_dead(self, entry: Entry, *, unpin: bool) -> None:
+        with self._shard(entry.key).lock:
+            if unpin:
+                entry.pins -= 1
+            release = entry.pins == 0 and not entry.live and entry.buffer is not None
+            buf = entry.buffer
+            if release:
+                entry.buffer = None  # type: ignore[assignment]
+        if release:
+            self.pool.release(buf)
+            if self.on_space_freed is not None:
+                self.on_space_freed()
+
+    # -- removing -----------------------------------------------------------------------
+
+    def delete(self, key: str) -> bool:
+        shard = self._shard(key)
+        with shard.lock:
+            entry = shard.entries.pop(key, None)
+            if entry is None:
+                return False
+            entry.live = False
+        with self._keys_lock:
+            self._keys.discard(key)
+            self._bytes -= entry.length
+        self._drop_pin_if_dead(entry, unpin=False)
+        return True
+
+    def _evict_one(self) -> bool:
+        """Unlink the least recently used object; False when there is none to evict."""
+        victim: Entry | None = None
+        for shard in self._shards:
+            with shard.lock:
+                head = next(iter(shard.entries.values()), None)
+            if head is not None and (victim is None or head.tick < victim.tick):
+                victim = head
+        if victim is None:
+            return False
+        if self.delete(victim.key):
+            self.counters.evictions += 1
+            self.counters.evicted_bytes += victim.length
+        return True
+
+    def clear(self) -> None:
+        for key in list(self.keys()):
+            self.delete(key)
+
+    # -- listing and accounting ---------------------------------------------------------
+
+    def keys(self, prefix: str = "") -> Iterator[str]:
+        """Keys starting with ``prefix`` in sorted order (a snapshot)."""
+        with self._keys_lock:
+            if not prefix:
+                return iter(list(self._keys))
+            matching = itertools.takewhile(lambda k: k.startswith(prefix), self._keys.irange(minimum=prefix))
+            return iter(list(matching))
+
+    @property
+    def objects(self) -> int:
+        return sum(len(shard.entries) for shard in self._shards)
+
+    @property
+    def bytes(self) -> int:
+        """Object bytes (lengths); the pool's ``in_use`` counts the buffers behind them."""
+        return self._bytes
+
+    def usage(self) -> dict[str, int]:
+        c = self.counters
+        return {
+            "objects": self.objects,
+            "bytes": self._bytes,
+            "capacity": self.capacity,
+            "reserved_bytes": self.pool.in_use,
+            "idle_pool_bytes": self.pool.idle,
+            "hits": c.hits,
+            "misses": c.misses,
+            "evictions": c.evictions,
+            "evicted_bytes": c.evicted_bytes,
+            "refusals": c.refusals,
+        }
