@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+
 from lmproto import REPLY_SIZE, Command, Generation, Status, decode_json, decode_reply, encode_request
 
 from . import __version__

@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
+
 from lmproto import (
     MAX_CONTROL_BODY,
     NO_META,
@@ -361,7 +362,7 @@ class LMProtocol(asyncio.BufferedProtocol):
             elif self.store.in_lower(req.key):
                 self._await(self.store.fetch(req.key), self._reply_fetched)
             else:
-                self._reply(Status.FAIL)
+                self._reply_miss()
         elif command == Command.EXIST:
             self._reply(Status.SUCCESS if self.store.contains(req.key) else Status.FAIL)
         elif command == Command.LIST:
@@ -387,9 +388,13 @@ class LMProtocol(asyncio.BufferedProtocol):
 
     def _reply_fetched(self, entry: Entry | None) -> None:
         if entry is None:
-            self._reply(Status.FAIL)
+            self._reply_miss()
         else:
             self._reply_object(entry)
+
+    def _reply_miss(self) -> None:
+        self.counters["gets_missed"] += 1
+        self._reply(Status.FAIL)
 
     def _reply_deleted(self, found: bool) -> None:
         self._reply(Status.SUCCESS if found else Status.NOT_FOUND)

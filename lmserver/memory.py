@@ -23,8 +23,9 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from lmproto import NO_META, ObjectMeta
 from sortedcontainers import SortedSet
+
+from lmproto import NO_META, ObjectMeta
 
 from .pool import BufferPool
 

@@ -15,16 +15,28 @@ log = structlog.get_logger("lmserver.stats")
 
 
 def server_stats(state: ServerState) -> dict[str, Any]:
-    """What STATS returns: server facts, connection and request counters, every tier."""
+    """What STATS returns (protocol/SPEC.md 8.9 names the fields clients may rely on)."""
+    counters = state.counters
+    store = state.store.stats()
+    tiers = store.pop("tiers")
     return {
         "server": "lmserver",
         "version": __version__,
         "uptime_s": round(time.time() - state.started_at, 3),
-        "connections": len(state.connections),
-        "max_connections": state.config.max_connections,
+        "connections": {
+            "current": len(state.connections),
+            "total": counters["connections_accepted"],
+            "refused": counters["connections_refused"],
+            "max": state.config.max_connections,
+        },
+        "tiers": [{"name": name, **usage} for name, usage in tiers.items()],
+        "hits": counters["gets_served"],
+        "misses": counters["gets_missed"],
+        "evictions": list(tiers.values())[-1].get("evictions", 0),
+        "refusals": sum(v for k, v in counters.items() if k.startswith("refused") or k == "bad_requests"),
         "max_object_size": state.config.max_object_size,
-        "counters": dict(sorted(state.counters.items())),
-        "store": state.store.stats(),
+        "counters": dict(sorted(counters.items())),
+        "store": store,
     }
 
 

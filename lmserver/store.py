@@ -28,6 +28,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import structlog
+
 from lmproto import ObjectMeta
 
 from .memory import Entry, MemoryTier

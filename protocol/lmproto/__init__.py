@@ -6,6 +6,7 @@ holds golden frames that tests replay against this package.
 
 from ._bodies import (
     MAX_CONTROL_BODY,
+    MAX_REASON_BODY,
     MalformedBody,
     decode_error_text,
     decode_json,
@@ -55,6 +56,7 @@ __all__ = [
     "EXTENSION_COMMANDS",
     "KEY_SIZE",
     "MAX_CONTROL_BODY",
+    "MAX_REASON_BODY",
     "NEED_DATA",
     "NO_META",
     "PLACEHOLDER_META",

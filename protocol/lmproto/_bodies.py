@@ -18,6 +18,10 @@ MAX_CONTROL_BODY = 4 * 1024 * 1024
 """Largest request body of any command but PUT/PUT_ACK (room for ~27,000 EXIST_MANY keys)."""
 
 
+MAX_REASON_BODY = 1024
+"""Largest reason body of an extension error reply, in bytes."""
+
+
 class MalformedBody(RemoteProtocolError):
     """A body whose framing was fine but whose content is not what its command carries.
 
@@ -94,9 +98,10 @@ def encode_json(value: dict[str, Any]) -> bytes:
 
 
 def decode_json(body: bytes | bytearray | memoryview) -> dict[str, Any]:
+    """STATS reply body. UTF-8 only (``json.loads`` on bytes would also guess UTF-16/32)."""
     try:
-        value = json.loads(bytes(body))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        value = json.loads(bytes(body).decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # ValueError covers Unicode and JSON errors
         raise MalformedBody(f"body is not JSON: {exc}") from None
     if not isinstance(value, dict):
         raise MalformedBody("JSON body is not an object")
@@ -104,8 +109,14 @@ def decode_json(body: bytes | bytearray | memoryview) -> dict[str, Any]:
 
 
 def encode_error_text(message: str) -> bytes:
-    """Body of an error reply to an extension command: a short UTF-8 reason."""
-    return message.encode("utf-8")[:1024]
+    """Body of an error reply to an extension command: a short UTF-8 reason.
+
+    Cut to MAX_REASON_BODY bytes at a character boundary, so the body stays valid UTF-8.
+    """
+    raw = message.encode("utf-8")
+    if len(raw) <= MAX_REASON_BODY:
+        return raw
+    return raw[:MAX_REASON_BODY].decode("utf-8", errors="ignore").encode("utf-8")
 
 
 def decode_error_text(body: bytes | bytearray | memoryview) -> str:

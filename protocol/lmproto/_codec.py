@@ -9,6 +9,8 @@ concatenated.
 
 from __future__ import annotations
 
+import struct
+
 from ._constants import (
     DETECT_SIZE,
     INT32_MAX,
@@ -38,7 +40,10 @@ def encode_key(key: str) -> bytes:
     """
     if not isinstance(key, str):
         raise LocalProtocolError(f"key must be str, not {type(key).__name__}")
-    raw = key.encode("utf-8")
+    try:
+        raw = key.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates have no UTF-8 form
+        raise LocalProtocolError("key is not encodable as UTF-8") from None
     if len(raw) > KEY_SIZE:
         raise LocalProtocolError(f"key is {len(raw)} UTF-8 bytes; the limit is {KEY_SIZE}")
     if "\x00" in key:
@@ -73,6 +78,10 @@ def detect_generation(buf: bytes | bytearray | memoryview, offset: int = 0) -> G
 
     Bytes 8..11 are the v1 ``fmt`` field (a small integer, so bytes 9..11 are NUL) but key
     text in v0, which never holds NUL there. Returns None until 12 bytes are available.
+
+    One v0 case reads as v1: a client that pads with NUL (upstream pads with spaces) and
+    sends a key of at most one byte, e.g. an empty LIST key, on its first request. Servers
+    facing such clients are configured for v0 instead of detecting.
     """
     if len(buf) - offset < DETECT_SIZE:
         return None
@@ -97,15 +106,16 @@ def encode_request(
     if not 0 <= length <= INT32_MAX:
         raise LocalProtocolError(f"body length {length} does not fit the int32 length field")
     field = encode_key(key)
-    if generation == Generation.V0:
-        return V0_REQUEST.pack(command, length, field)
-    s0, s1, s2, s3 = _shape4(meta.shape)
-    return V1_REQUEST.pack(command, length, meta.fmt, meta.dtype, meta.location, s0, s1, s2, s3, field)
+    try:
+        if generation == Generation.V0:
+            return V0_REQUEST.pack(command, length, field)
+        s0, s1, s2, s3 = _shape4(meta.shape)
+        return V1_REQUEST.pack(command, length, meta.fmt, meta.dtype, meta.location, s0, s1, s2, s3, field)
+    except struct.error as exc:  # command or a meta field is not an int32
+        raise LocalProtocolError(f"request field does not fit int32: {exc}") from None
 
 
-def decode_request(
-    buf: bytes | bytearray | memoryview, generation: Generation, offset: int = 0
-) -> Request:
+def decode_request(buf: bytes | bytearray | memoryview, generation: Generation, offset: int = 0) -> Request:
     """Decode one request header at ``offset``; the caller guarantees enough bytes.
 
     Raises RemoteProtocolError only for a negative length (the stream cannot be framed).
@@ -142,10 +152,13 @@ def encode_reply(
     """Reply header bytes; ``length`` body bytes must follow it on the wire."""
     if not 0 <= length <= INT32_MAX:
         raise LocalProtocolError(f"body length {length} does not fit the int32 length field")
-    if generation == Generation.V0:
-        return V0_REPLY.pack(status, length)
-    s0, s1, s2, s3 = _shape4(meta.shape)
-    return V1_REPLY.pack(status, length, meta.fmt, meta.dtype, s0, s1, s2, s3, meta.location)
+    try:
+        if generation == Generation.V0:
+            return V0_REPLY.pack(status, length)
+        s0, s1, s2, s3 = _shape4(meta.shape)
+        return V1_REPLY.pack(status, length, meta.fmt, meta.dtype, s0, s1, s2, s3, meta.location)
+    except struct.error as exc:  # status or a meta field is not an int32
+        raise LocalProtocolError(f"reply field does not fit int32: {exc}") from None
 
 
 def decode_reply(buf: bytes | bytearray | memoryview, generation: Generation, offset: int = 0) -> Reply:

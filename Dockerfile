@@ -1,0 +1,32 @@
+# lmserver container: `docker run -p 65432:65432 -v kvcache:/data lmserver`
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+RUN groupadd --system --gid 10001 lmserver \
+    && useradd --system --uid 10001 --gid lmserver --home-dir /nonexistent --shell /usr/sbin/nologin lmserver \
+    && mkdir -p /data \
+    && chown lmserver:lmserver /data
+
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY lmserver ./lmserver
+COPY protocol ./protocol
+COPY clients ./clients
+RUN pip install --no-cache-dir . && rm -rf /src
+
+WORKDIR /data
+USER 10001:10001
+EXPOSE 65432
+VOLUME ["/data"]
+
+# Asks the server itself over the lm:// protocol (HEALTH), not just whether the port is open.
+HEALTHCHECK --interval=15s --timeout=5s --start-period=10s --retries=3 \
+    CMD ["lmcache-server", "health", "--host", "127.0.0.1", "--port", "65432", "--timeout", "3"]
+
+# Logs are JSON lines on stderr (no TTY); SIGTERM drains in-flight requests.
+ENTRYPOINT ["lmcache-server"]
+CMD ["serve", "--host", "0.0.0.0", "--port", "65432", "--disk", "/data", "--log-format", "json"]

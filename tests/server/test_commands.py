@@ -1,0 +1,174 @@
+"""Every command of both frame generations against a real server on loopback."""
+
+from __future__ import annotations
+
+import pytest
+from wire import Wire
+
+from lmproto import (
+    NO_META,
+    PLACEHOLDER_META,
+    Command,
+    Generation,
+    ObjectMeta,
+    decode_json,
+    decode_key_lines,
+    decode_presence,
+    encode_key_list,
+)
+
+GENERATIONS = [Generation.V0, Generation.V1]
+
+
+@pytest.fixture(params=GENERATIONS, ids=["v0", "v1"])
+def wire(request: pytest.FixtureRequest, server_thread):
+    with Wire(server_thread.host, server_thread.port, request.param) as w:
+        yield w
+
+
+def test_put_is_fire_and_forget_then_get(wire: Wire) -> None:
+    wire.send(Command.PUT, "model@1@0@abc@half", b"kv-bytes")
+    reply, body = wire.call(Command.GET, "model@1@0@abc@half")
+    assert (reply.status, body) == (200, b"kv-bytes")
+
+
+def test_get_miss_is_400_with_no_body(wire: Wire) -> None:
+    reply, body = wire.call(Command.GET, "absent")
+    assert (reply.status, reply.length, body) == (400, 0, b"")
+    if wire.generation == Generation.V1:
+        assert reply.meta == PLACEHOLDER_META
+
+
+def test_overwrite_replaces_and_empty_value_is_an_object(wire: Wire) -> None:
+    wire.put("k", b"first version")
+    wire.put("k", b"2nd")
+    assert wire.get("k") == b"2nd"
+    wire.put("empty", b"")
+    reply, body = wire.call(Command.GET, "empty")
+    assert (reply.status, reply.length, body) == (200, 0, b"")
+
+
+def test_exist(wire: Wire) -> None:
+    wire.put("here", b"x")
+    assert wire.call(Command.EXIST, "here")[0].status == 200
+    assert wire.call(Command.EXIST, "not-here")[0].status == 400
+
+
+def test_list_all_and_by_prefix(wire: Wire) -> None:
+    for key in ["b/2", "a/1", "b/1", "c"]:
+        wire.put(key, b"v")
+    reply, body = wire.call(Command.LIST, "")
+    assert reply.status == 200
+    assert decode_key_lines(body) == ["a/1", "b/1", "b/2", "c"]
+    assert decode_key_lines(wire.call(Command.LIST, "b/")[1]) == ["b/1", "b/2"]
+    assert decode_key_lines(wire.call(Command.LIST, "zzz")[1]) == []
+
+
+def test_health(wire: Wire) -> None:
+    reply, body = wire.call(Command.HEALTH)
+    assert (reply.status, body) == (200, b"")
+
+
+def test_delete(wire: Wire) -> None:
+    wire.put("gone", b"soon")
+    assert wire.call(Command.DELETE, "gone")[0].status == 200
+    assert wire.get("gone") is None
+    assert wire.call(Command.DELETE, "gone")[0].status == 404
+
+
+def test_exist_many_answers_each_key_in_order(wire: Wire) -> None:
+    for key in ["c0", "c1", "c3"]:
+        wire.put(key, b"x")
+    reply, body = wire.call(Command.EXIST_MANY, "", encode_key_list(["c0", "c1", "c2", "c3"]))
+    assert reply.status == 200
+    assert decode_presence(body) == [True, True, False, True]
+
+
+def test_stats_is_json_with_counters(wire: Wire) -> None:
+    wire.put("s", b"12345")
+    wire.get("s")
+    wire.get("missing")
+    _, body = wire.call(Command.STATS)
+    stats = decode_json(body)
+    assert stats["server"] == "lmserver" and isinstance(stats["version"], str)
+    assert stats["uptime_s"] >= 0
+    assert stats["connections"]["current"] == 1 and stats["connections"]["total"] >= 1
+    [memory] = stats["tiers"]
+    assert memory["name"] == "memory" and memory["objects"] == 1 and memory["bytes"] == 5
+    assert memory["capacity"] > 0
+    assert (stats["hits"], stats["misses"], stats["evictions"], stats["refusals"]) == (1, 1, 0, 0)
+    assert stats["counters"]["puts"] == 1
+
+
+def test_v1_metadata_round_trips(server_thread) -> None:
+    meta = ObjectMeta(fmt=1, dtype=3, shape=(2, 32, 256, 1024), location=1)
+    with Wire(server_thread.host, server_thread.port, Generation.V1) as w:
+        w.put("tensor", b"\x01" * 64, meta)
+        reply, body = w.call(Command.GET, "tensor")
+    assert reply.meta == meta and body == b"\x01" * 64
+
+
+def test_generations_share_objects(server_thread) -> None:
+    with Wire(server_thread.host, server_thread.port, Generation.V0) as v0:
+        v0.put("shared", b"from v0")
+    with Wire(server_thread.host, server_thread.port, Generation.V1) as v1:
+        reply, body = v1.call(Command.GET, "shared")
+        assert body == b"from v0" and reply.meta == NO_META
+        v1.put("shared", b"from v1", ObjectMeta(4, 6, (7, 0, 0, 0), 0))
+    with Wire(server_thread.host, server_thread.port, Generation.V0) as v0:
+        assert v0.get("shared") == b"from v1"
+
+
+def test_forced_generation(make_server_thread) -> None:
+    server = make_server_thread(protocol="v0")
+    with Wire(server.host, server.port, Generation.V0) as w:
+        # An empty NUL-padded key on the first request would look like v1 to "auto".
+        w.send_raw(b"\x05\x00\x00\x00\x00\x00\x00\x00" + b"\x00" * 150)
+        assert w.reply()[0].status == 200
+
+
+def test_multibyte_150_byte_key(wire: Wire) -> None:
+    key = "é" * 75
+    assert len(key.encode()) == 150
+    wire.put(key, b"accented")
+    assert wire.get(key) == b"accented"
+    assert decode_key_lines(wire.call(Command.LIST, "é")[1]) == [key]
+
+
+def test_nul_padded_keys_are_accepted(server_thread) -> None:
+    with Wire(server_thread.host, server_thread.port, Generation.V0) as w:
+        w.put("nulpad", b"v")
+        frame = bytearray(w.frame(Command.GET, "nulpad"))
+        frame[8 + 6 :] = b"\x00" * 144
+        w.send_raw(bytes(frame))
+        reply, body = w.reply()
+    assert (reply.status, body) == (200, b"v")
+
+
+def test_pipelined_requests_are_answered_in_order(wire: Wire) -> None:
+    burst = b"".join(wire.frame(Command.PUT, f"p{i}", f"value-{i}".encode()) for i in range(150))
+    burst += b"".join(wire.frame(Command.GET, f"p{i}") for i in range(150))
+    burst += b"".join(wire.frame(Command.EXIST, f"p{i}" if i % 2 else "nope") for i in range(150))
+    wire.send_raw(burst)
+    for i in range(150):
+        reply, body = wire.reply()
+        assert (reply.status, body) == (200, f"value-{i}".encode())
+    for i in range(150):
+        assert wire.reply()[0].status == (200 if i % 2 else 400)
+
+
+def test_one_byte_at_a_time(server_thread) -> None:
+    with Wire(server_thread.host, server_thread.port, Generation.V1) as w:
+        data = w.frame(Command.PUT_ACK, "slow", b"trickled body") + w.frame(Command.GET, "slow")
+        for i in range(len(data)):
+            w.send_raw(data[i : i + 1])
+        assert w.reply()[0].status == 200
+        assert w.reply()[1] == b"trickled body"
+
+
+@pytest.mark.parametrize("size", [64 * 1024, 4 * 1024**2 + 17, 32 * 1024**2])
+def test_large_objects_round_trip_byte_exact(server_thread, size: int) -> None:
+    payload = bytes(range(256)) * (size // 256) + b"\x07" * (size % 256)
+    with Wire(server_thread.host, server_thread.port) as w:
+        w.put("big", payload)
+        assert w.get("big") == payload

@@ -1,0 +1,83 @@
+"""A raw-socket peer for server tests: sends exact frames, reads exact replies."""
+
+from __future__ import annotations
+
+import socket
+
+from lmproto import (
+    NO_META,
+    REPLY_SIZE,
+    Command,
+    Generation,
+    ObjectMeta,
+    Reply,
+    decode_reply,
+    encode_request,
+)
+
+
+class Wire:
+    def __init__(
+        self, host: str, port: int, generation: Generation = Generation.V0, timeout: float = 10
+    ) -> None:
+        self.generation = generation
+        self.sock = socket.create_connection((host, port), timeout=timeout)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def __enter__(self) -> Wire:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def frame(self, command: int, key: str = "", body: bytes = b"", meta: ObjectMeta = NO_META) -> bytes:
+        return encode_request(command, key, len(body), generation=self.generation, meta=meta) + body
+
+    def send(self, command: int, key: str = "", body: bytes = b"", meta: ObjectMeta = NO_META) -> None:
+        self.sock.sendall(self.frame(command, key, body, meta))
+
+    def send_raw(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def recv_exactly(self, n: int) -> bytes:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            k = self.sock.recv_into(view[got:])
+            if not k:
+                raise ConnectionError(f"closed after {got} of {n} bytes")
+            got += k
+        return bytes(buf)
+
+    def reply(self) -> tuple[Reply, bytes]:
+        header = decode_reply(self.recv_exactly(REPLY_SIZE[self.generation]), self.generation)
+        return header, self.recv_exactly(header.length)
+
+    def call(
+        self, command: int, key: str = "", body: bytes = b"", meta: ObjectMeta = NO_META
+    ) -> tuple[Reply, bytes]:
+        self.send(command, key, body, meta)
+        return self.reply()
+
+    def put(self, key: str, body: bytes, meta: ObjectMeta = NO_META) -> None:
+        """Acknowledged PUT, so the test knows it is stored."""
+        reply, text = self.call(Command.PUT_ACK, key, body, meta)
+        assert reply.status == 200, (reply, text)
+
+    def get(self, key: str) -> bytes | None:
+        reply, body = self.call(Command.GET, key)
+        return body if reply.status == 200 else None
+
+    def is_closed(self, timeout: float = 5) -> bool:
+        """True once the server has closed this connection."""
+        self.sock.settimeout(timeout)
+        try:
+            return self.sock.recv(1) == b""
+        except ConnectionResetError:
+            return True
+        except TimeoutError:
+            return False
