@@ -23,7 +23,7 @@ from .config import DEFAULT_DISK_LIMIT, DEFAULT_MAX_OBJECT_SIZE, DEFAULT_PORT, S
 from .sizes import format_size, parse_size
 
 
-class Size(click.ParamType):
+class Size(click.ParamType):  # type: ignore[type-arg]  # generic only in newer click
     name = "size"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:

@@ -20,6 +20,12 @@ from lmproto import (
 GENERATIONS = [Generation.V0, Generation.V1]
 
 
+@pytest.fixture(params=["uvloop", "asyncio"])
+def server_thread(request: pytest.FixtureRequest, make_server_thread):
+    """Every test here runs on both event loops the server supports."""
+    return make_server_thread(loop=request.param)
+
+
 @pytest.fixture(params=GENERATIONS, ids=["v0", "v1"])
 def wire(request: pytest.FixtureRequest, server_thread):
     with Wire(server_thread.host, server_thread.port, request.param) as w:
