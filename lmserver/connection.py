@@ -10,8 +10,11 @@ Strategy:
   refuses is read into the staging buffer and dropped, so the stream stays framed and
   nothing is allocated for it.
 * Requests are answered strictly in order. Memory operations are answered inline; an
-  operation that must wait (a lower-tier read, a PUT_ACK waiting for disk, a PUT waiting
-  for memory) pauses reading until it is done, then parsing resumes where it stopped.
+  operation that must wait (a lower-tier read, a DELETE, a PUT waiting for memory) pauses
+  reading until it is done, then parsing resumes where it stopped. A PUT_ACK waiting for
+  its disk write does not stop the pipeline (the object is already visible): its reply,
+  and every reply after it, are held in order until the write is known, so a client can
+  keep many acknowledged PUTs in flight (up to MAX_ACKS_IN_FLIGHT).
 * Replies are queued during a read callback and written together at its end, header and
   body as separate buffers (no concatenation). An object being sent stays pinned until the
   transport's buffer has drained: the write-buffer limits are (0, 0), so the loop reports
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -61,7 +65,21 @@ STAGING_SIZE = 64 * 1024
 FLUSH_THRESHOLD = 4 * 1024 * 1024
 """Reply bytes queued in one callback before they are written without waiting for its end."""
 
+MAX_ACKS_IN_FLIGHT = 1024
+"""PUT_ACKs of one connection that may wait for the disk at once before it stops reading."""
+
 _EMPTY = memoryview(b"")
+
+
+class _Held:
+    """Replies that must wait for an earlier PUT_ACK whose write is still in flight."""
+
+    __slots__ = ("buffers", "pins", "ready")
+
+    def __init__(self, ready: bool) -> None:
+        self.ready = ready
+        self.buffers: list[bytes | memoryview] = []
+        self.pins: list[Entry] = []
 
 
 def _canned_replies(generation: Generation) -> dict[int, bytes]:
@@ -95,6 +113,10 @@ class LMProtocol(asyncio.BufferedProtocol):
         self.reply_bytes = 0
         self.reply_pins: list[Entry] = []  # entries referenced by queued replies
         self.unsent_pins: list[Entry] = []  # entries referenced by bytes the transport holds
+        # PUT_ACKs waiting for the disk do not stop the pipeline: their replies, and every
+        # reply after them, are held here in order until the acknowledgement is known.
+        self.held: deque[_Held] = deque()
+        self.acks_in_flight = 0
         self.write_paused = False
         self.busy = False  # an awaited operation is in flight; parsing waits for it
         self.closing = False  # finish the current request, then close
@@ -205,7 +227,7 @@ class LMProtocol(asyncio.BufferedProtocol):
 
     def _process(self) -> None:
         """Parse and serve staged requests until data runs out or something must wait."""
-        while not (self.busy or self.write_paused or self.closed or self.closing):
+        while not (self.busy or self.write_paused or self.closed or self.closing or self._acks_full):
             if self.body is not None or self.discard_left:
                 break
             if self.generation is None:
@@ -335,14 +357,34 @@ class LMProtocol(asyncio.BufferedProtocol):
             return
         if persisted is None:
             self._reply(Status.SUCCESS)
-        else:
-            self._await(persisted, self._ack_persisted)
+            return
+        slot = _Held(ready=False)
+        self.held.append(slot)
+        self.acks_in_flight += 1
+        persisted.add_done_callback(lambda done: self._ack_persisted(slot, done.result()))
 
-    def _ack_persisted(self, ok: bool) -> None:
+    def _ack_persisted(self, slot: _Held, ok: bool) -> None:
+        self.acks_in_flight -= 1
+        if self.closed:
+            return
+        assert self.generation is not None
         if ok:
-            self._reply(Status.SUCCESS)
+            slot.buffers.append(_CANNED[self.generation][Status.SUCCESS])
         else:
-            self._reply(Status.NO_SPACE, memoryview(encode_error_text("stored in memory, not on disk")))
+            reason = encode_error_text("stored in memory, not on disk")
+            header = encode_reply(Status.NO_SPACE, len(reason), generation=self.generation)
+            slot.buffers += (header, reason)
+        slot.ready = True
+        while self.held and self.held[0].ready:
+            released = self.held.popleft()
+            self.replies += released.buffers
+            self.reply_pins += released.pins
+            self.reply_bytes += sum(map(len, released.buffers))
+        self._process()
+
+    @property
+    def _acks_full(self) -> bool:
+        return self.acks_in_flight >= MAX_ACKS_IN_FLIGHT
 
     # -- other commands -------------------------------------------------------------------
 
@@ -410,20 +452,33 @@ class LMProtocol(asyncio.BufferedProtocol):
         assert self.generation is not None
         if body:
             header = encode_reply(status, len(body), generation=self.generation, meta=PLACEHOLDER_META)
-            self.replies += (header, body)
+            self._emit(header, body)
         else:
-            self.replies.append(_CANNED[self.generation][status])
-        self.reply_bytes += len(body) + 8
+            self._emit(_CANNED[self.generation][status])
 
     def _reply_object(self, entry: Entry) -> None:
         """A GET hit: header with the stored metadata, then the object's own buffer."""
         assert self.generation is not None
         meta: ObjectMeta = entry.meta
         header = encode_reply(Status.SUCCESS, entry.length, generation=self.generation, meta=meta)
-        self.replies += (header, entry.view)
-        self.reply_pins.append(entry)
-        self.reply_bytes += entry.length
+        self._emit(header, entry.view, pin=entry)
         self.counters["gets_served"] += 1
+
+    def _emit(self, *buffers: bytes | memoryview, pin: Entry | None = None) -> None:
+        """Queue one reply (header and body as separate buffers), behind held ones if any."""
+        if self.held:
+            tail = self.held[-1]
+            if not tail.ready:
+                tail = _Held(ready=True)
+                self.held.append(tail)
+            tail.buffers += buffers
+            if pin is not None:
+                tail.pins.append(pin)
+            return
+        self.replies += buffers
+        if pin is not None:
+            self.reply_pins.append(pin)
+        self.reply_bytes += sum(map(len, buffers))
 
     def _flush(self) -> None:
         if not self.replies or self.closed:
@@ -460,7 +515,10 @@ class LMProtocol(asyncio.BufferedProtocol):
     def _release_pins(self) -> None:
         self._unpin(self.reply_pins)
         self._unpin(self.unsent_pins)
+        for slot in self.held:
+            self._unpin(slot.pins)
         self.reply_pins, self.unsent_pins = [], []
+        self.held.clear()
 
     # -- waiting ------------------------------------------------------------------------
 
@@ -497,7 +555,7 @@ class LMProtocol(asyncio.BufferedProtocol):
         if self.closed or self.transport is None:
             return
         idle_closing = self.closing and self.body is None and not self.discard_left
-        if self.busy or self.write_paused or idle_closing:
+        if self.busy or self.write_paused or idle_closing or self._acks_full:
             self.transport.pause_reading()
         else:
             self.transport.resume_reading()

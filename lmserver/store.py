@@ -155,7 +155,11 @@ class Store:
 
     def get(self, key: str) -> Entry | None:
         """A pinned memory hit (the caller unpins once sent), else None."""
-        return self.memory.get(key)
+        entry = self.memory.get(key)
+        if entry is not None:
+            for tier in self.lower:
+                tier.touch(key)
+        return entry
 
     def in_lower(self, key: str) -> bool:
         return key in self._pending or any(tier.contains(key) for tier in self.lower)

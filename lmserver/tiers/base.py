@@ -61,6 +61,10 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def contains(self, key: str) -> bool: ...
 
+    def touch(self, key: str) -> None:  # noqa: B027 - optional hook
+        """A tier in front served ``key``: refresh its recency here too, so this tier's LRU
+        order (and the order it persists across restarts) follows real use. Must not block."""
+
     @abc.abstractmethod
     async def delete(self, key: str) -> bool: ...
 
