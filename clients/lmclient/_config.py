@@ -1,0 +1,186 @@
+"""Client configuration shared by both clients: timeouts, retry policy, backoff.
+
+Strategy: plain frozen dataclasses and pure functions, so `Client` and `AsyncClient` take
+the same arguments and decide the same way; only sleeping and waiting differ between them.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+from urllib.parse import urlsplit
+
+from lmproto import Generation
+
+from ._exceptions import (
+    ConnectTimeout,
+    InvalidRequest,
+    NetworkError,
+    TimeoutException,
+    TransportError,
+)
+
+DEFAULT_PORT = 65432
+"""LMCache's customary ``lm://`` port."""
+
+ProtocolName = Literal["v0", "v1"]
+ExistManyMode = Literal["auto", "always", "never"]
+
+
+class Timeout:
+    """Seconds each kind of wait may take; every wait has one, so nothing hangs forever.
+
+    ``Timeout(10.0)`` sets all four; keywords override one, e.g. ``Timeout(30, connect=2)``.
+    ``read`` and ``write`` bound each wait for the socket to make progress (as in httpx),
+    so a large transfer that keeps moving is not cut off. ``pool`` bounds how long a
+    `Client` thread waits for a free connection when all ``max_connections`` are busy.
+    """
+
+    __slots__ = ("connect", "pool", "read", "write")
+
+    def __init__(
+        self,
+        timeout: float = 30.0,
+        *,
+        connect: float | None = None,
+        read: float | None = None,
+        write: float | None = None,
+        pool: float | None = None,
+    ) -> None:
+        self.connect = _seconds("connect", timeout if connect is None else connect)
+        self.read = _seconds("read", timeout if read is None else read)
+        self.write = _seconds("write", timeout if write is None else write)
+        self.pool = _seconds("pool", timeout if pool is None else pool)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Timeout) and self._fields() == other._fields()
+
+    def __hash__(self) -> int:
+        return hash(self._fields())
+
+    def __repr__(self) -> str:
+        c, r, w, p = self._fields()
+        return f"Timeout(connect={c}, read={r}, write={w}, pool={p})"
+
+    def _fields(self) -> tuple[float, float, float, float]:
+        return self.connect, self.read, self.write, self.pool
+
+
+def _seconds(name: str, value: float) -> float:
+    if not value > 0:
+        raise InvalidRequest(f"timeout {name}={value!r} must be a positive number of seconds")
+    return float(value)
+
+
+DEFAULT_TIMEOUT = Timeout(30.0, connect=5.0)
+
+
+def compute_backoff(
+    attempt: int, *, base: float = 0.05, cap: float = 2.0, rand: Callable[[], float] = random.random
+) -> float:
+    """Seconds to wait before retry number ``attempt + 1`` (``attempt`` counts from 0).
+
+    Exponential with "equal jitter": the ceiling doubles from ``base`` up to ``cap`` and the
+    delay is drawn from the upper half of ``[0, ceiling]``, so it always grows with the
+    attempt yet clients restarted together do not retry in lockstep. Always in
+    ``[base / 2, cap]``; pure when ``rand`` is.
+    """
+    if attempt < 0:
+        raise ValueError("attempt counts from 0")
+    ceiling = min(cap, base * 2.0 ** min(attempt, 64))
+    return ceiling * (0.5 + 0.5 * rand())
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    """How a failed exchange is retried on a fresh connection.
+
+    Every lm:// operation is idempotent (PUT rewrites the same bytes), so any operation may
+    be retried. Retried: network errors (refused, reset, EOF, EPIPE) and connect timeouts.
+    Read/write timeouts only with ``on_timeout=True``: a server that is merely slow would
+    otherwise see the same work again. Server errors and protocol errors are never retried.
+    """
+
+    retries: int = 3
+    base: float = 0.05
+    cap: float = 2.0
+    on_timeout: bool = False
+
+    def __post_init__(self) -> None:
+        if self.retries < 0 or not 0 < self.base <= self.cap:
+            raise InvalidRequest(f"invalid retry policy {self!r}")
+
+    def delay(self, exc: TransportError, attempt: int) -> float | None:
+        """Seconds to wait before retrying after failed attempt ``attempt``, or None to give up."""
+        if attempt >= self.retries or not self.retryable(exc):
+            return None
+        return compute_backoff(attempt, base=self.base, cap=self.cap)
+
+    def retryable(self, exc: TransportError) -> bool:
+        if isinstance(exc, NetworkError | ConnectTimeout):
+            return True
+        return self.on_timeout and isinstance(exc, TimeoutException)
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Everything a client was configured with, validated once."""
+
+    host: str
+    port: int
+    generation: Generation
+    timeout: Timeout
+    retry: Retry
+    max_connections: int
+    exist_many: ExistManyMode
+    probe_timeout: float
+
+
+def make_settings(
+    host: str,
+    port: int,
+    protocol: ProtocolName | Generation,
+    timeout: float | Timeout,
+    retry: int | Retry,
+    max_connections: int,
+    exist_many: ExistManyMode,
+    probe_timeout: float,
+) -> Settings:
+    if isinstance(protocol, Generation):
+        generation = protocol
+    elif protocol in ("v0", "v1"):
+        generation = Generation.V0 if protocol == "v0" else Generation.V1
+    else:
+        raise InvalidRequest(f"protocol must be 'v0' or 'v1', not {protocol!r}")
+    if not 0 < port < 65536:
+        raise InvalidRequest(f"port {port} out of range")
+    if max_connections < 1:
+        raise InvalidRequest("max_connections must be at least 1")
+    if exist_many not in ("auto", "always", "never"):
+        raise InvalidRequest(f"exist_many must be 'auto', 'always' or 'never', not {exist_many!r}")
+    if not probe_timeout > 0:
+        raise InvalidRequest("probe_timeout must be positive")
+    return Settings(
+        host=host,
+        port=port,
+        generation=generation,
+        timeout=timeout if isinstance(timeout, Timeout) else Timeout(float(timeout)),
+        retry=retry if isinstance(retry, Retry) else Retry(retries=retry),
+        max_connections=max_connections,
+        exist_many=exist_many,
+        probe_timeout=probe_timeout,
+    )
+
+
+def parse_url(url: str) -> tuple[str, int]:
+    """``lm://host:port`` (as in LMCACHE_REMOTE_URL) to (host, port)."""
+    parts = urlsplit(url)
+    if parts.scheme != "lm" or not parts.hostname:
+        raise InvalidRequest(f"expected lm://host[:port], not {url!r}")
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise InvalidRequest(f"bad port in {url!r}") from exc
+    return parts.hostname, port or DEFAULT_PORT
