@@ -54,10 +54,12 @@ from lmproto import (
     encode_reply,
 )
 
+from .logs import ThrottledWarnings
 from .memory import Entry
 from .state import ServerState
 
 log = structlog.get_logger("lmserver.connection")
+throttled = ThrottledWarnings(log)
 
 STAGING_SIZE = 64 * 1024
 """Header staging buffer: holds ~400 pipelined requests; at most this much of a body is copied."""
@@ -129,6 +131,17 @@ class LMProtocol(asyncio.BufferedProtocol):
         self.body_entry: Entry | None = None  # a PUT's reservation, aborted if cut short
         self.discard_left = 0
 
+        # Commands without an object body; decode_request has already flagged unknown ones.
+        self._handlers: dict[int, Callable[[Request, memoryview], None]] = {
+            Command.GET: self._get,
+            Command.EXIST: self._exist,
+            Command.LIST: self._list,
+            Command.HEALTH: self._health,
+            Command.DELETE: self._delete,
+            Command.EXIST_MANY: self._exist_many,
+            Command.STATS: self._stats,
+        }
+
     # -- connection lifecycle -------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -136,7 +149,7 @@ class LMProtocol(asyncio.BufferedProtocol):
         self.peer = transport.get_extra_info("peername")
         if self.state.shutting_down or len(self.state.connections) >= self.config.max_connections:
             self.counters["connections_refused"] += 1
-            log.warning(
+            throttled.warning(
                 "connection refused",
                 peer=self.peer,
                 reason="shutting down" if self.state.shutting_down else "max connections reached",
@@ -187,7 +200,7 @@ class LMProtocol(asyncio.BufferedProtocol):
     def _fatal(self, reason: str) -> None:
         """The stream can no longer be framed: log, count, and close this connection only."""
         self.counters["protocol_errors"] += 1
-        log.warning("protocol error, closing connection", peer=self.peer, reason=reason)
+        throttled.warning("protocol error, closing connection", peer=self.peer, reason=reason)
         self._flush()
         self.closed = True
         assert self.transport is not None
@@ -227,31 +240,50 @@ class LMProtocol(asyncio.BufferedProtocol):
 
     def _process(self) -> None:
         """Parse and serve staged requests until data runs out or something must wait."""
-        while not (self.busy or self.write_paused or self.closed or self.closing or self._acks_full):
-            if self.body is not None or self.discard_left:
-                break
-            if self.generation is None:
-                self.generation = detect_generation(self.staging_view[: self.end], self.start)
-                if self.generation is None:
-                    break
-            size = REQUEST_SIZE[self.generation]
-            if self.end - self.start < size:
-                break
-            try:
-                request = decode_request(self.staging, self.generation, self.start)
-            except RemoteProtocolError as exc:
-                self._fatal(str(exc))
-                return
-            self.start += size
-            if self.start == self.end:
-                self.start = self.end = 0
-            self.counters["requests"] += 1
-            self._on_header(request)
-            if self.reply_bytes >= FLUSH_THRESHOLD:
-                self._flush()
+        if self.generation is None:
+            self.generation = detect_generation(self.staging_view[: self.end], self.start)
+        if self.generation is not None:
+            self._serve_staged(self.generation)
         self._flush()
         self._close_if_idle()
         self._update_reading()
+
+    def _serve_staged(self, generation: Generation) -> None:
+        # The hot loop of pipelined small requests: keep its per-request work minimal.
+        size = REQUEST_SIZE[generation]
+        staging = self.staging
+        served = 0
+        while self.end - self.start >= size and self._can_parse():
+            try:
+                request = decode_request(staging, generation, self.start)
+            except RemoteProtocolError as exc:
+                self._fatal(str(exc))
+                break
+            self.start += size
+            if self.start == self.end:
+                self.start = self.end = 0
+            served += 1
+            if request.length or request.problem is not None:
+                self._on_header(request)
+            else:
+                self._handlers.get(request.command, self._on_header_only)(request, _EMPTY)
+            if self.reply_bytes >= FLUSH_THRESHOLD:
+                self._flush()
+        self.counters["requests"] += served
+
+    def _can_parse(self) -> bool:
+        return not (
+            self.busy
+            or self.write_paused
+            or self.closed
+            or self.closing
+            or self.body is not None
+            or self.discard_left
+            or self.acks_in_flight >= MAX_ACKS_IN_FLIGHT
+        )
+
+    def _on_header_only(self, req: Request, body: memoryview) -> None:
+        self._on_header(req)
 
     # -- request headers ------------------------------------------------------------------
 
@@ -396,37 +428,42 @@ class LMProtocol(asyncio.BufferedProtocol):
             self.store.abort(scratch)
 
     def _dispatch(self, req: Request, body: memoryview) -> None:
-        command = req.command
-        if command == Command.GET:
-            entry = self.store.get(req.key)
-            if entry is not None:
-                self._reply_object(entry)
-            elif self.store.in_lower(req.key):
-                self._await(self.store.fetch(req.key), self._reply_fetched)
-            else:
-                self._reply_miss()
-        elif command == Command.EXIST:
-            self._reply(Status.SUCCESS if self.store.contains(req.key) else Status.FAIL)
-        elif command == Command.LIST:
-            keys = self.store.keys(req.key, self.config.max_list_keys)
-            self._reply(Status.SUCCESS, memoryview(encode_key_lines(keys)))
-        elif command == Command.HEALTH:
-            self._reply(Status.FAIL if self.state.shutting_down else Status.SUCCESS)
-        elif command == Command.DELETE:
-            self._await(self.store.delete(req.key), self._reply_deleted)
-        elif command == Command.EXIST_MANY:
-            try:
-                keys = decode_key_list(body)
-            except MalformedBody as exc:
-                self.counters["bad_requests"] += 1
-                self._reply(Status.FAIL, memoryview(encode_error_text(str(exc))))
-                return
-            contains = self.store.contains
-            self._reply(Status.SUCCESS, memoryview(encode_presence([contains(k) for k in keys])))
-        elif command == Command.STATS:
-            self._reply(Status.SUCCESS, memoryview(encode_json(self.state_stats())))
-        else:  # pragma: no cover - decode_request flags unknown commands as problems
-            self._reply(Status.FAIL)
+        self._handlers[req.command](req, body)
+
+    def _get(self, req: Request, body: memoryview) -> None:
+        entry = self.store.get(req.key)
+        if entry is not None:
+            self._reply_object(entry)
+        elif self.store.in_lower(req.key):
+            self._await(self.store.fetch(req.key), self._reply_fetched)
+        else:
+            self._reply_miss()
+
+    def _exist(self, req: Request, body: memoryview) -> None:
+        self._emit_canned(Status.SUCCESS if self.store.contains(req.key) else Status.FAIL)
+
+    def _list(self, req: Request, body: memoryview) -> None:
+        keys = self.store.keys(req.key, self.config.max_list_keys)
+        self._reply(Status.SUCCESS, memoryview(encode_key_lines(keys)))
+
+    def _health(self, req: Request, body: memoryview) -> None:
+        self._emit_canned(Status.FAIL if self.state.shutting_down else Status.SUCCESS)
+
+    def _delete(self, req: Request, body: memoryview) -> None:
+        self._await(self.store.delete(req.key), self._reply_deleted)
+
+    def _exist_many(self, req: Request, body: memoryview) -> None:
+        try:
+            keys = decode_key_list(body)
+        except MalformedBody as exc:
+            self.counters["bad_requests"] += 1
+            self._reply(Status.FAIL, memoryview(encode_error_text(str(exc))))
+            return
+        contains = self.store.contains
+        self._reply(Status.SUCCESS, memoryview(encode_presence([contains(k) for k in keys])))
+
+    def _stats(self, req: Request, body: memoryview) -> None:
+        self._reply(Status.SUCCESS, memoryview(encode_json(self.state_stats())))
 
     def _reply_fetched(self, entry: Entry | None) -> None:
         if entry is None:
@@ -454,7 +491,7 @@ class LMProtocol(asyncio.BufferedProtocol):
             header = encode_reply(status, len(body), generation=self.generation, meta=PLACEHOLDER_META)
             self._emit(header, body)
         else:
-            self._emit(_CANNED[self.generation][status])
+            self._emit_canned(status)
 
     def _reply_object(self, entry: Entry) -> None:
         """A GET hit: header with the stored metadata, then the object's own buffer."""
@@ -463,6 +500,15 @@ class LMProtocol(asyncio.BufferedProtocol):
         header = encode_reply(Status.SUCCESS, entry.length, generation=self.generation, meta=meta)
         self._emit(header, entry.view, pin=entry)
         self.counters["gets_served"] += 1
+
+    def _emit_canned(self, status: int) -> None:
+        """A reply with no body: one precomputed header (the common case, kept fast)."""
+        assert self.generation is not None
+        if self.held:
+            self._emit(_CANNED[self.generation][status])
+        else:
+            self.replies.append(_CANNED[self.generation][status])
+            self.reply_bytes += 8
 
     def _emit(self, *buffers: bytes | memoryview, pin: Entry | None = None) -> None:
         """Queue one reply (header and body as separate buffers), behind held ones if any."""

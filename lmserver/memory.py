@@ -159,7 +159,7 @@ class MemoryTier:
 
     def contains(self, key: str) -> bool:
         """Presence without touching recency."""
-        return key in self._shard(key).entries
+        return key in self._shards[hash(key) % len(self._shards)].entries
 
     def pin(self, entry: Entry) -> None:
         with self._shard(entry.key).lock:

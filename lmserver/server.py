@@ -45,7 +45,10 @@ class Server:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         store = Store(
-            MemoryTier(config.memory_limit), build_tiers(config), write_behind_limit=config.write_behind_limit
+            MemoryTier(config.memory_limit),
+            build_tiers(config),
+            write_behind_limit=config.write_behind_limit,
+            memory_wait=config.put_wait_timeout,
         )
         self.state = ServerState(config=config, store=store)
         self._server: asyncio.Server | None = None

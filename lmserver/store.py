@@ -24,31 +24,41 @@ import contextlib
 import heapq
 import itertools
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import structlog
 
 from lmproto import ObjectMeta
 
+from .logs import ThrottledWarnings
 from .memory import Entry, MemoryTier
 from .tiers.base import NoSpace, Tier
 
 log = structlog.get_logger("lmserver.store")
+throttled = ThrottledWarnings(log)
 
 
 class Store:
-    def __init__(self, memory: MemoryTier, lower: Iterable[Tier] = (), *, write_behind_limit: int) -> None:
+    def __init__(
+        self,
+        memory: MemoryTier,
+        lower: Iterable[Tier] = (),
+        *,
+        write_behind_limit: int,
+        memory_wait: float = 5.0,
+    ) -> None:
         self.memory = memory
         self.lower: list[Tier] = list(lower)
         self.write_behind_limit = write_behind_limit
+        self.memory_wait = memory_wait  # how long a reservation may wait for pinned memory
         self._pending: dict[str, asyncio.Future[bool]] = {}
         self._pending_bytes = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._delete_epoch = 0
         self._space_waiters: list[asyncio.Future[None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.counters = {"lower_hits": 0, "lower_write_failures": 0, "promotions": 0}
+        self.counters = {"lower_hits": 0, "lower_hits_dropped": 0, "lower_write_failures": 0, "promotions": 0}
 
     async def open(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -76,13 +86,19 @@ class Store:
             entry = self.memory.reserve(length)
             if entry is not None:
                 return entry
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if not await self._wait_for_space(deadline):
                 return None
-            waiter = asyncio.get_running_loop().create_future()
-            self._space_waiters.append(waiter)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(waiter, min(remaining, 0.05))
+
+    async def _wait_for_space(self, deadline: float) -> bool:
+        """Wait until memory is released (or a short poll passes); False past ``deadline``."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        waiter = asyncio.get_running_loop().create_future()
+        self._space_waiters.append(waiter)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(waiter, min(remaining, 0.05))
+        return True
 
     @property
     def write_backlog_full(self) -> bool:
@@ -185,11 +201,7 @@ class Store:
                 reserved.append(entry)
                 return memoryview(entry.buffer)[:length]
 
-            try:
-                meta = await tier.get_into(key, alloc)
-            except NoSpace:
-                log.warning("lower-tier hit not served: memory is full of pinned objects", key=key)
-                meta = None
+            meta = await self._read_waiting_for_memory(tier, key, alloc)
             if meta is None:
                 for entry in reserved:
                     self.memory.abort(entry)
@@ -208,10 +220,27 @@ class Store:
             return entry
         return None
 
+    async def _read_waiting_for_memory(
+        self, tier: Tier, key: str, alloc: Callable[[int], memoryview]
+    ) -> ObjectMeta | None:
+        """A lower-tier read into memory; while memory is full of pinned objects (sends and
+        writes in flight), wait for some to finish, up to ``memory_wait`` seconds."""
+        deadline = time.monotonic() + self.memory_wait
+        while True:
+            try:
+                return await tier.get_into(key, alloc)
+            except NoSpace:
+                if not await self._wait_for_space(deadline):
+                    self.counters["lower_hits_dropped"] += 1
+                    throttled.warning(
+                        "lower-tier hit not served: memory stayed full of objects in use", tier=tier.name
+                    )
+                    return None
+
     # -- EXIST, DELETE, LIST --------------------------------------------------------------
 
     def contains(self, key: str) -> bool:
-        return self.memory.contains(key) or self.in_lower(key)
+        return self.memory.contains(key) or (bool(self.lower) and self.in_lower(key))
 
     async def delete(self, key: str) -> bool:
         self._delete_epoch += 1

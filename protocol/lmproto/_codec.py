@@ -58,17 +58,6 @@ def validate_key(key: str) -> None:
     encode_key(key)
 
 
-def _decode_key(raw: bytes) -> tuple[str, str | None]:
-    """(key, problem): NUL or space padding removed, whitespace stripped like upstream."""
-    try:
-        text = raw.rstrip(b"\x00").decode("utf-8")
-    except UnicodeDecodeError:
-        return "", "key is not valid UTF-8"
-    if "\x00" in text:
-        return "", "key contains NUL"
-    return text.strip(), None
-
-
 # ---------------------------------------------------------------------------------------
 # generation detection
 
@@ -129,13 +118,19 @@ def decode_request(buf: bytes | bytearray | memoryview, generation: Generation, 
         meta = ObjectMeta(fmt, dtype, (s0, s1, s2, s3), location)
     if length < 0:
         raise RemoteProtocolError(f"negative body length {length} (command {command})")
-    key, problem = _decode_key(raw)
-    if problem is None:
-        if command not in _KNOWN_COMMANDS:
-            problem = f"unknown command {command}"
-        elif not key and command not in _KEYLESS_COMMANDS:
-            problem = "empty key"
-    return Request(command, length, key, meta, generation, problem)
+    # Key: strip NUL padding, then whitespace on both ends as upstream's decoder does.
+    try:
+        key = raw.rstrip(b"\x00").decode("utf-8")
+    except UnicodeDecodeError:
+        return Request(command, length, "", meta, generation, "key is not valid UTF-8")
+    if "\x00" in key:
+        return Request(command, length, "", meta, generation, "key contains NUL")
+    key = key.strip()
+    if command not in _KNOWN_COMMANDS:
+        return Request(command, length, key, meta, generation, f"unknown command {command}")
+    if not key and command not in _KEYLESS_COMMANDS:
+        return Request(command, length, key, meta, generation, "empty key")
+    return Request(command, length, key, meta, generation)
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,0 +1,223 @@
+"""The DiskTier's object file format (version 1): one self-describing file per object.
+
+Strategy: every file carries everything needed to serve it and to rebuild the index from it
+(magic, version, key, lengths, checksums, v1 metadata), so the SQLite index is an
+accelerator, never the only copy of anything. Files are named by the SHA-256 of the key's
+UTF-8 bytes, never by the key text: no collisions, no path traversal, no name-length limits.
+
+Path: ``<root>/objects/<h[:3]>/<h>`` with ``h = sha256(key_utf8).hexdigest()`` (4096
+fan-out directories, each created with its first object: ~4k files per directory at 16M
+objects).
+
+Layout, little-endian, header then body::
+
+    offset  size  field
+    0       8     magic        b"\\x89LMS\\r\\n\\x1a\\n" (PNG-style: catches text-mode mangling)
+    8       2     version      u16, 1
+    10      2     header_len   u16, = 84 + key_len: the body starts here
+    12      2     key_len      u16, <= MAX_KEY_BYTES
+    14      2     flags        u16, 0 (reserved)
+    16      8     body_len     u64
+    24      4     body_crc     u32, zlib.crc32 of the body
+    28      4     fmt          i32  \\
+    32      4     dtype        i32   | v1 ObjectMeta, kept as sent
+    36      4     location     i32   |
+    40      32    shape        4 x i64 /
+    72      8     written_ns   u64, wall clock (time.time_ns) of the write: the LRU order
+                               used when the index is rebuilt from files
+    80      k     key          UTF-8
+    80+k    4     header_crc   u32, zlib.crc32 of bytes [0, 80+k)
+    84+k    n     body
+
+A file is whole iff its size is exactly ``header_len + body_len``, the header CRC matches,
+the key hashes to the file name, and the body CRC matches. zlib.crc32 was measured at
+3.7-4.2 GB/s here (blake2b 0.9, sha256 1.8) and releases the GIL on large buffers; it guards
+against torn writes and media corruption, not against an adversary with write access.
+When the optional ``isal`` package is installed its ``crc32`` (the same CRC-32, 19 GB/s
+here) is used instead: files are identical either way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+import struct
+import zlib
+from collections.abc import Callable
+from typing import NamedTuple, cast
+
+from lmproto import ObjectMeta
+
+
+def _load_crc32() -> Callable[[bytes | bytearray | memoryview], int]:
+    try:  # ISA-L's CRC-32: same polynomial and values as zlib.crc32, ~5x faster
+        module = importlib.import_module("isal.isal_zlib")
+    except ImportError:  # pragma: no cover - depends on the environment
+        return zlib.crc32
+    return cast(Callable[[bytes | bytearray | memoryview], int], module.crc32)
+
+
+_crc32 = _load_crc32()
+
+MAGIC = b"\x89LMS\r\n\x1a\n"
+VERSION = 1
+MAX_KEY_BYTES = 4096
+"""Far above the protocol's 150 bytes; bounds the read needed to parse any header."""
+
+_FIXED = struct.Struct("<8sHHHHQIiiiqqqqQ")
+_CRC = struct.Struct("<I")
+FIXED_SIZE = _FIXED.size  # 80
+HEADER_OVERHEAD = FIXED_SIZE + _CRC.size  # 84
+MAX_HEADER = HEADER_OVERHEAD + MAX_KEY_BYTES
+FANOUT_DIGITS = 3
+
+
+class CorruptFile(Exception):
+    """The bytes are not a whole, valid object file."""
+
+
+class Header(NamedTuple):
+    header_len: int
+    key: str
+    body_len: int
+    body_crc: int
+    meta: ObjectMeta
+    written_ns: int
+
+    @property
+    def size(self) -> int:
+        return self.header_len + self.body_len
+
+
+def checksum(data: bytes | bytearray | memoryview) -> int:
+    """CRC-32 (zlib's polynomial) of ``data``; releases the GIL on large buffers."""
+    return _crc32(data)
+
+
+def object_name(key_bytes: bytes) -> str:
+    return hashlib.sha256(key_bytes).hexdigest()
+
+
+def object_relpath(name: str) -> str:
+    """Path of an object file relative to the objects directory."""
+    return f"{name[:FANOUT_DIGITS]}/{name}"
+
+
+def header_size(key_bytes: bytes) -> int:
+    return HEADER_OVERHEAD + len(key_bytes)
+
+
+def encode_header(key_bytes: bytes, body_len: int, body_crc: int, meta: ObjectMeta, written_ns: int) -> bytes:
+    """Raises ValueError for a key or metadata the format cannot hold."""
+    if len(key_bytes) > MAX_KEY_BYTES:
+        raise ValueError(f"key of {len(key_bytes)} bytes exceeds {MAX_KEY_BYTES}")
+    shape = tuple(meta.shape)
+    if len(shape) != 4:
+        raise ValueError(f"shape must have 4 dimensions, got {shape!r}")
+    try:
+        fixed = _FIXED.pack(
+            MAGIC,
+            VERSION,
+            HEADER_OVERHEAD + len(key_bytes),
+            len(key_bytes),
+            0,
+            body_len,
+            body_crc,
+            meta.fmt,
+            meta.dtype,
+            meta.location,
+            *shape,
+            written_ns,
+        )
+    except struct.error as exc:
+        raise ValueError(f"metadata out of range: {meta!r}") from exc
+    head = fixed + key_bytes
+    return head + _CRC.pack(checksum(head))
+
+
+def decode_header(buf: bytes | bytearray | memoryview) -> Header:
+    """Parse a header from the start of ``buf`` (which may hold more). Raises CorruptFile."""
+    if len(buf) < HEADER_OVERHEAD:
+        raise CorruptFile("shorter than a header")
+    (
+        magic,
+        version,
+        header_len,
+        key_len,
+        _flags,
+        body_len,
+        body_crc,
+        fmt,
+        dtype,
+        location,
+        s0,
+        s1,
+        s2,
+        s3,
+        written_ns,
+    ) = _FIXED.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise CorruptFile("bad magic")
+    if version != VERSION:
+        raise CorruptFile(f"unknown format version {version}")
+    if key_len > MAX_KEY_BYTES or header_len != HEADER_OVERHEAD + key_len or len(buf) < header_len:
+        raise CorruptFile("bad header length")
+    end = FIXED_SIZE + key_len
+    (stored,) = _CRC.unpack_from(buf, end)
+    if checksum(memoryview(buf)[:end]) != stored:
+        raise CorruptFile("header checksum mismatch")
+    try:
+        key = bytes(buf[FIXED_SIZE:end]).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CorruptFile("key is not UTF-8") from exc
+    meta = ObjectMeta(fmt, dtype, (s0, s1, s2, s3), location)
+    return Header(header_len, key, body_len, body_crc, meta, written_ns)
+
+
+def write_object(fd: int, header: bytes, body: memoryview) -> None:
+    """Write header + body at the start of ``fd`` (a new, empty file); raises OSError.
+
+    The one I/O function the tests may replace to simulate a failing disk.
+    """
+    bufs: list[bytes | memoryview] = [header, body]
+    while bufs:
+        n = os.writev(fd, bufs)
+        # Drop what was written; a short write resumes where it stopped.
+        while bufs and n >= len(bufs[0]):
+            n -= len(bufs[0])
+            bufs.pop(0)
+        if bufs and n:
+            bufs[0] = memoryview(bufs[0])[n:]
+
+
+def read_header_at(path: str) -> tuple[Header, int]:
+    """Read and check the header of the file at ``path``; returns it and the file size.
+
+    Raises CorruptFile (not a whole object file) or OSError. The body is not checked.
+    """
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        buf = f.read(MAX_HEADER)
+    header = decode_header(buf)
+    if size != header.size:
+        raise CorruptFile(f"file is {size} bytes, header says {header.size}")
+    return header, size
+
+
+def read_object(fd: int, header_buf: bytearray, body: memoryview) -> int:
+    """Read the header into ``header_buf`` and the body into ``body``; returns bytes read.
+
+    One ``preadv`` for both when the kernel allows it; loops on short reads until EOF.
+    """
+    want = len(header_buf) + len(body)
+    got = os.preadv(fd, [header_buf, body], 0)
+    while got < want:
+        if got < len(header_buf):
+            n = os.preadv(fd, [memoryview(header_buf)[got:], body], got)
+        else:
+            n = os.preadv(fd, [body[got - len(header_buf) :]], got)
+        if n == 0:
+            break
+        got += n
+    return got
