@@ -1,0 +1,341 @@
+"""``python -m bench run``: the whole benchmark as one command.
+
+Strategy: the run goes target by target (one server alive at a time, so they never compete
+for the two CPUs): first the physical-limit peer and the raw disk, then each server, in the
+same process pool with the same worker code. Each target runs the same matrix
+(object size x client count x workload); every cell is bounded by a duration and an op cap.
+Results are summarised as they arrive, ratios are added at the end, and the table, JSON and
+plots are written to the output folder (and, for full runs, copied to ``bench/latest``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import os
+import platform
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from . import report
+from .physdisk import disk_limit
+from .targets import (
+    REPO,
+    Target,
+    disk_dir_usage,
+    given_target,
+    server_sample,
+    start_lmserver,
+    start_raw,
+    start_redis_local,
+)
+from .worker import CellSpec, ClientPool
+
+ALL_OPS = ("put", "get", "exist", "mixed")
+PIPE_BYTES = 64 << 20
+"""A pipelined batch carries at most this many body bytes: 32 MiB objects go 2 deep, not 16."""
+LATEST = REPO / "bench" / "latest"
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run the benchmark")
+    r.add_argument("--smoke", action="store_true", help="tiny sizes and counts: a few seconds in all")
+    r.add_argument(
+        "--targets",
+        default="lmserver,redis-local",
+        help="comma list of: lmserver, redis-local, lm://HOST:PORT[?v=0|1], redis://HOST:PORT "
+        "(the physical limit always runs; 'none' runs only that)",
+    )
+    r.add_argument("--sizes", help="object sizes, e.g. 64K,1M,4M,32M (smoke: 4K,64K)")
+    r.add_argument("--clients", help="client process counts, e.g. 1,4,16 (smoke: 1,2)")
+    r.add_argument("--ops", default=",".join(ALL_OPS), help="subset of put,get,exist,mixed")
+    r.add_argument("--depth", type=int, default=16, help="pipeline depth (requests per batch)")
+    r.add_argument("--duration", type=float, help="seconds per cell (default 0.6; smoke 0.05)")
+    r.add_argument("--max-ops", type=int, help="op cap per client per cell (default 1e6; smoke 400)")
+    r.add_argument("--key-budget", help="bytes of distinct keys per size and client count (default 256M)")
+    r.add_argument("--variants", default="mem,disk", help="lmserver variants: mem, disk")
+    r.add_argument("--memory-limit", default="8GiB", help="lmserver --memory-limit, memory-only variant")
+    r.add_argument("--disk-memory-limit", default="128MiB", help="lmserver --memory-limit with the disk tier")
+    r.add_argument("--disk-limit", default="8GiB", help="lmserver --disk-limit")
+    r.add_argument("--disk-dir", help="folder for the disk tier and the raw disk limit (default: a temp dir)")
+    r.add_argument("--lmserver-cmd", help="command that starts lmserver instead of 'python -m lmserver'")
+    r.add_argument("--lmserver-args", default="", help="extra flags for lmserver, e.g. '--fsync always'")
+    r.add_argument("--out", help="output folder (default bench/results/<UTC timestamp>)")
+    r.add_argument("--no-latest", action="store_true", help="do not copy results to bench/latest")
+    r.add_argument("--no-plots", action="store_true")
+    return ap
+
+
+class Runner:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        smoke = args.smoke
+        self.sizes = [
+            report.parse_size(s) for s in _csv(args.sizes or ("4K,64K" if smoke else "64K,1M,4M,32M"))
+        ]
+        self.clients = sorted({int(c) for c in _csv(args.clients or ("1,2" if smoke else "1,4,16"))})
+        self.ops = [o for o in _csv(args.ops) if o in ALL_OPS]
+        self.depth = max(2, args.depth)
+        self.duration = args.duration if args.duration is not None else (0.05 if smoke else 0.6)
+        self.max_ops = args.max_ops if args.max_ops is not None else (400 if smoke else 1_000_000)
+        self.key_budget = report.parse_size(args.key_budget or ("2M" if smoke else "256M"))
+        self.cells: list[dict[str, Any]] = []
+        self.memory: list[dict[str, Any]] = []
+        self.notes: list[str] = []
+        self.targets: list[Target] = []
+        self.raw: Target | None = None
+
+    def keys_per_client(self, size: int, clients: int) -> int:
+        return max(1, min(512, self.key_budget // (size * clients)))
+
+    def matrix(self, phys: bool) -> list[tuple[str, int]]:
+        m: list[tuple[str, int]] = [("stream_put", 1), ("stream_get", 1)] if phys else []
+        for op in self.ops:
+            m.append((op, 1))
+            if op != "mixed":
+                m.append((op, self.depth))
+        return m
+
+    def run_target(self, pool: ClientPool, target: Target, disk_dir: Path | None = None) -> None:
+        assert target.spec is not None
+        phys = target.name == "phys"
+        base = server_sample(target.pid)
+        stored: set[tuple[int, int, int]] = set()
+        for size in self.sizes:
+            rnd = "phys" if phys else f"{target.name}:{size}"
+            if not phys and self.raw is not None and self.raw.spec is not None:
+                self.run_streams(pool, size, rnd)
+            for n in self.clients:
+                k = self.keys_per_client(size, n)
+                preloaded = False
+                for op, depth in self.matrix(phys):
+                    preload = not preloaded and op in ("get", "exist", "mixed")
+                    preloaded = preloaded or preload
+                    capped = op in ("put", "get") and depth > 1
+                    eff = max(2, min(depth, PIPE_BYTES // size)) if capped else depth
+                    spec = CellSpec(
+                        target=target.spec,
+                        op=op,
+                        size=size,
+                        depth=eff,
+                        keys=k,
+                        duration=self.duration,
+                        max_ops=self.max_ops,
+                        clients=n,
+                        preload=preload,
+                        seed=len(self.cells),
+                    )
+                    self.run_cell(pool, target, spec, depth, rnd)
+                    if op == "put" or preload:
+                        stored.update((size, cid, j) for cid in range(n) for j in range(k))
+            if base is not None and not phys:
+                now = server_sample(target.pid)
+                stored_bytes = sum(s for s, _c, _j in stored)
+                rec: dict[str, Any] = {
+                    "target": target.name,
+                    "size": size,
+                    "stored_bytes": stored_bytes,
+                    "rss_bytes": now[1] if now else None,
+                    "rss_growth_bytes": now[1] - base[1] if now else None,
+                }
+                rec["rss_per_gb_stored"] = (
+                    rec["rss_growth_bytes"] / stored_bytes if now and stored_bytes else None
+                )
+                if disk_dir is not None:
+                    rec["disk_bytes"] = disk_dir_usage(disk_dir)
+                self.memory.append(rec)
+
+    def run_streams(self, pool: ClientPool, size: int, rnd: str) -> None:
+        """Measure the loopback limit again right before a target's block of one object size.
+
+        The host is shared and noisy; ratios use the limit measured closest in time.
+        """
+        assert self.raw is not None and self.raw.spec is not None
+        for n in self.clients:
+            for op in ("stream_put", "stream_get"):
+                spec = CellSpec(self.raw.spec, op, size, 1, 1, self.duration, self.max_ops, n)
+                self.run_cell(pool, self.raw, spec, 1, rnd)
+
+    def run_cell(self, pool: ClientPool, target: Target, spec: CellSpec, depth: int, rnd: str) -> None:
+        before: list[tuple[float, int] | None] = [None]
+
+        def on_start() -> None:
+            before[0] = server_sample(target.pid)
+
+        results, problem = pool.run(spec, on_start)
+        after = server_sample(target.pid)
+        cell: dict[str, Any] = {
+            "target": target.name,
+            "op": spec.op,
+            "depth": depth,
+            "depth_effective": spec.depth,
+            "round": rnd,
+            "size": spec.size,
+            "clients": spec.clients,
+            "keys_per_client": spec.keys,
+        }
+        cell.update(report.summarize_cell(results, spec.size))
+        cpu = after[0] - before[0][0] if after and before[0] else None
+        cell["server_cpu_s"] = cpu
+        cell["server_rss_bytes"] = after[1] if after else None
+        moved = cell["bytes"] or 0
+        cell["cpu_s_per_gb"] = cpu / (moved / 1e9) if cpu is not None and moved >= 1e6 else None
+        cell["cpu_us_per_op"] = cpu / cell["ops"] * 1e6 if cpu is not None and cell["ops"] else None
+        if problem:
+            cell["problem"] = problem
+            self.notes.append(f"{target.name} {spec.op} {spec.size} x{spec.clients}: {problem}")
+        self.cells.append(cell)
+
+    def disk_variant_dir(self) -> Path:
+        if self.args.disk_dir:
+            d = Path(self.args.disk_dir)
+            d.mkdir(parents=True, exist_ok=True)
+            return Path(tempfile.mkdtemp(prefix="lmbench-", dir=d))
+        return Path(tempfile.mkdtemp(prefix="lmbench-"))
+
+    def main(self, out: Path) -> dict[str, Any]:
+        t_start = time.monotonic()
+        load_start = os.getloadavg()
+        args = self.args
+        names = _csv(args.targets)
+        variants = _csv(args.variants)
+        want_disk = "lmserver" in names and "disk" in variants
+        disk_dir = self.disk_variant_dir() if want_disk else None
+        disk_rows: list[dict[str, Any]] = []
+        pool = ClientPool(self.clients)
+        try:
+            self.raw = raw = start_raw()
+            self.targets.append(raw)
+            if raw.spec is not None:
+                self.run_target(pool, raw)
+            if disk_dir is not None:
+                budget = report.parse_size("4M" if args.smoke else "192M")
+                for size in self.sizes:
+                    disk_rows.append(disk_limit(disk_dir, size, budget, time_cap=1.0 if args.smoke else 4.0))
+            for name in names:
+                if name == "none":
+                    continue
+                self.run_named(pool, name, out, variants, disk_dir)
+        finally:
+            if self.raw is not None:
+                self.raw.stop()
+            pool.close()
+            if disk_dir is not None:
+                shutil.rmtree(disk_dir, ignore_errors=True)
+        report.compute_ratios(self.cells)
+        vm = psutil.virtual_memory()
+        return {
+            "meta": {
+                "started": self.started,
+                "host": platform.node(),
+                "cpus": os.cpu_count(),
+                "mem_gib": vm.total / 2**30,
+                "python": platform.python_version(),
+                "platform": platform.platform(),
+                "smoke": bool(args.smoke),
+                "sizes": self.sizes,
+                "clients": self.clients,
+                "ops": self.ops,
+                "depth": self.depth,
+                "duration_s": self.duration,
+                "max_ops": self.max_ops,
+                "key_budget": self.key_budget,
+                "argv": sys.argv[1:],
+                "elapsed_s": time.monotonic() - t_start,
+                "loadavg_1m_start_end": [round(load_start[0], 2), round(os.getloadavg()[0], 2)],
+            },
+            "targets": [t.describe() for t in self.targets],
+            "notes": self.notes,
+            "disk_limit": disk_rows,
+            "memory": self.memory,
+            "cells": self.cells,
+        }
+
+    def run_named(
+        self, pool: ClientPool, name: str, out: Path, variants: list[str], disk_dir: Path | None
+    ) -> None:
+        args = self.args
+        extra_args = shlex.split(args.lmserver_args)
+        if name == "lmserver":
+            for v in variants:
+                if v == "mem":
+                    t = start_lmserver("lmserver", out, args.lmserver_cmd, extra_args, args.memory_limit)
+                    self._run_and_stop(pool, t)
+                elif v == "disk" and disk_dir is not None:
+                    tier = disk_dir / "tier"
+                    tier.mkdir(exist_ok=True)
+                    extra = ["--disk", str(tier), "--disk-limit", args.disk_limit, *extra_args]
+                    t = start_lmserver("lmserver+disk", out, args.lmserver_cmd, extra, args.disk_memory_limit)
+                    self._run_and_stop(pool, t, tier)
+                    shutil.rmtree(tier, ignore_errors=True)
+                else:
+                    self.notes.append(f"unknown lmserver variant {v!r} ignored")
+        elif name == "redis-local":
+            self._run_and_stop(pool, start_redis_local(out))
+        elif name.startswith(("lm://", "redis://")):
+            self._run_and_stop(pool, given_target(name))
+        else:
+            self.notes.append(f"unknown target {name!r} ignored")
+
+    def _run_and_stop(self, pool: ClientPool, target: Target, disk_dir: Path | None = None) -> None:
+        self.targets.append(target)
+        if target.spec is None:
+            self.notes.append(f"{target.name}: {target.note}")
+            return
+        try:
+            self.run_target(pool, target, disk_dir)
+        finally:
+            target.stop()
+
+    started = ""
+
+
+def run(args: argparse.Namespace) -> int:
+    started = dt.datetime.now(dt.UTC)
+    out = Path(args.out) if args.out else REPO / "bench" / "results" / started.strftime("%Y%m%dT%H%M%SZ")
+    out.mkdir(parents=True, exist_ok=True)
+    runner = Runner(args)
+    runner.started = started.isoformat(timespec="seconds")
+    doc = runner.main(out)
+    report.write_json(doc, out / "results.json")
+    md = report.render_markdown(doc)
+    (out / "table.md").write_text(md + "\n")
+    plots = [] if args.no_plots else report.plot_all(doc, out)
+    print(report.side_by_side(doc["cells"]))
+    if doc["disk_limit"]:
+        print()
+        print(report.disk_table(doc["disk_limit"]))
+    if doc["memory"]:
+        print()
+        print(report.memory_table(doc["memory"]))
+    for n in doc["notes"]:
+        print(f"note: {n}")
+    if not args.smoke and not args.no_latest:
+        LATEST.mkdir(parents=True, exist_ok=True)
+        for f in [out / "results.json", out / "table.md", *plots]:
+            shutil.copy2(f, LATEST / f.name)
+    print(f"\nresults: {out} ({doc['meta']['elapsed_s']:.0f} s)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.cmd == "run":
+        with contextlib.suppress(KeyboardInterrupt):
+            return run(args)
+        return 130
+    return 2
