@@ -112,12 +112,32 @@ def main() -> None:
 @click.option(
     "--fsync",
     type=click.Choice(["always", "batch", "never"]),
-    default="batch",
+    default="never",
     envvar=_env("FSYNC"),
     show_envvar=True,
-    help="Disk durability: always = fsync every object before it counts as stored; batch = "
-    "group fsyncs within a short window; never = page cache only (survives a process crash, "
-    "not power loss).",
+    help="Disk durability of a stored object (and of a PUT_ACK's answer): never = in the page "
+    "cache, survives a server crash but maybe not a power loss (a torn file is then dropped by "
+    "its checksum, never served); always = fsync file and directory first; batch = like always, "
+    "with directory fsyncs grouped over ~10 ms.",
+)
+@click.option(
+    "--write-behind-limit",
+    type=SIZE,
+    default="256MiB",
+    envvar=_env("WRITE_BEHIND_LIMIT"),
+    show_envvar=True,
+    help="With --disk: bytes of fire-and-forget PUTs held in memory while their disk writes are "
+    "pending; past it, connections stop reading PUTs until the disk catches up.",
+)
+@click.option(
+    "--memory-wait",
+    "put_wait_timeout",
+    type=click.FloatRange(0),
+    default=5.0,
+    envvar=_env("MEMORY_WAIT"),
+    show_envvar=True,
+    help="Seconds a PUT (or a disk hit) waits for memory held by objects in flight (sends, disk "
+    "writes) before it is refused (PUT_ACK: 507).",
 )
 @click.option(
     "--max-connections",

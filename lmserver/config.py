@@ -37,7 +37,7 @@ class ServerConfig:
     # Disk tier (None: memory only)
     disk: Path | None = None
     disk_limit: int = DEFAULT_DISK_LIMIT
-    fsync: Literal["always", "batch", "never"] = "batch"
+    fsync: Literal["always", "batch", "never"] = "never"
     # Bytes of fire-and-forget PUTs accepted into memory but not yet written to the
     # lower tiers; past it, connections stop reading PUTs until the backlog drains.
     write_behind_limit: int = 256 * 1024**2

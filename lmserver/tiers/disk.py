@@ -68,6 +68,7 @@ from sortedcontainers import SortedList
 
 from lmproto import ObjectMeta
 
+from ..logs import ThrottledWarnings
 from . import _diskfile, _diskindex
 from .base import Alloc, Tier, TierUsage
 
@@ -232,7 +233,7 @@ class DiskTier(Tier):
             0,
         )
         self._stripes = [threading.Lock() for _ in range(_STRIPES)]
-        self._last_warning: dict[str, tuple[float, int]] = {}
+        self._warnings = ThrottledWarnings(log, _WARN_INTERVAL_S)
 
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._db: _diskindex.IndexWriter | None = None
@@ -796,11 +797,21 @@ class DiskTier(Tier):
         with self._mu:
             self._counters["hits"] += 1
             if self._entries.get(key) is entry:
-                self._entries.move_to_end(key)
-                self._clock += 1
-                self._touches[key] = self._clock
+                self._note_use_locked(key)
         self._flush_touches()
         return True
+
+    def touch(self, key: str) -> None:
+        """The memory tier served ``key``: it is recently used here too (no I/O)."""
+        with self._mu:
+            if key in self._entries:
+                self._note_use_locked(key)
+        self._flush_touches()
+
+    def _note_use_locked(self, key: str) -> None:
+        self._entries.move_to_end(key)
+        self._clock += 1
+        self._touches[key] = self._clock
 
     def _repair(self, key: str, entry: _Entry, header: _diskfile.Header) -> bool:
         """Re-index a file whose header disagrees with a stale row; this read is a miss.
@@ -926,15 +937,7 @@ class DiskTier(Tier):
             self._counters[name] += 1
 
     def _warn(self, event: str, **kw: Any) -> None:
-        """A warning at most every 10 s per event, with how many were suppressed."""
-        now = time.monotonic()
-        with self._mu:
-            last, suppressed = self._last_warning.get(event, (-_WARN_INTERVAL_S, 0))
-            if now - last < _WARN_INTERVAL_S:
-                self._last_warning[event] = (last, suppressed + 1)
-                return
-            self._last_warning[event] = (now, 0)
-        log.warning(event, path=str(self.path), suppressed=suppressed, **kw)
+        self._warnings.warning(event, path=str(self.path), **kw)
 
 
 class _BatchSyncer:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import struct
 
-import lmproto
 import pytest
+
+import lmproto
 from lmproto import (
     NEED_DATA,
     Command,

@@ -6,9 +6,10 @@ import contextlib
 import itertools
 from typing import Any
 
-import lmproto
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+import lmproto
 from lmproto import Command, Generation, ObjectMeta, ReplyDecoder, RequestDecoder
 
 # No deadline: these tests must not depend on how fast the machine is.

@@ -6,9 +6,7 @@ import importlib.util
 from collections import Counter
 from typing import Any
 
-import lmproto
 import pytest
-from lmproto import Command, Generation, Reply, Request
 from lmproto_vectors import (
     DOCUMENT,
     ERRORS,
@@ -23,6 +21,9 @@ from lmproto_vectors import (
     ids,
     meta_of,
 )
+
+import lmproto
+from lmproto import Command, Generation, Reply, Request
 
 
 def check_request(vector: dict[str, Any], header: Request, body: bytes) -> None:

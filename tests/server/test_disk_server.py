@@ -1,0 +1,273 @@
+"""The disk tier behind memory, through a real server process: restarts, SIGKILL, corruption,
+capacity, hostile keys, and a data set larger than memory."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from pathlib import Path
+
+from wire import Wire
+
+from lmproto import Command, decode_json, decode_key_lines
+
+KiB = 1024
+MiB = 1024 * KiB
+
+
+def value(key: str, size: int = 1000) -> bytes:
+    seed = hashlib.sha256(key.encode()).digest()
+    return (seed * (size // 32 + 1))[:size]
+
+
+def put_many(w: Wire, keys: list[str], size: int = 1000) -> None:
+    """Pipelined PUT_ACKs, then all the acknowledgements."""
+    for start in range(0, len(keys), 500):
+        chunk = keys[start : start + 500]
+        w.send_raw(b"".join(w.frame(Command.PUT_ACK, k, value(k, size)) for k in chunk))
+        for _ in chunk:
+            assert w.reply()[0].status == 200
+
+
+def get_many(w: Wire, keys: list[str]) -> list[bytes | None]:
+    out: list[bytes | None] = []
+    for start in range(0, len(keys), 500):
+        chunk = keys[start : start + 500]
+        w.send_raw(b"".join(w.frame(Command.GET, k) for k in chunk))
+        for _ in chunk:
+            reply, body = w.reply()
+            out.append(body if reply.status == 200 else None)
+    return out
+
+
+def stats(w: Wire) -> dict:
+    return decode_json(w.call(Command.STATS)[1])
+
+
+def disk_tier(st: dict) -> dict:
+    return next(t for t in st["tiers"] if t["name"] == "disk")
+
+
+def files_under(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file()]
+
+
+def test_restart_serves_ten_thousand_objects_in_lru_order(spawn_server, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    keys = [f"model@1@0@{i:05x}@half" for i in range(10_000)]
+    proc = spawn_server("--disk", str(data), "--disk-limit", "64MiB", "--memory-limit", "8MiB")
+    with Wire(proc.host, proc.port) as w:
+        put_many(w, keys)
+        assert get_many(w, keys[:100]) == [value(k) for k in keys[:100]]  # the first 100 are now hot
+    assert proc.terminate() == 0
+    # Same data, a disk limit that holds only ~half: what goes first must be the LRU half.
+    proc = spawn_server("--disk", str(data), "--disk-limit", "6MiB", "--memory-limit", "8MiB")
+    restarted = proc
+    with Wire(restarted.host, restarted.port) as w:
+        got = get_many(w, keys)
+        present = [k for k, v in zip(keys, got, strict=True) if v is not None]
+        assert all(v == value(k) for k, v in zip(keys, got, strict=True) if v is not None)
+        assert set(keys[:100]) <= set(present)  # hot before the restart, kept
+        assert keys[100] not in present  # cold and oldest, evicted
+        assert keys[-1] in present
+    restarted.terminate()
+    proc = spawn_server("--disk", str(data), "--disk-limit", "64MiB", "--memory-limit", "8MiB")
+    with Wire(proc.host, proc.port) as w:
+        assert set(decode_key_lines(w.call(Command.LIST)[1])) == set(present)
+
+
+def test_full_restart_is_byte_identical(spawn_server, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    keys = [f"k{i}" for i in range(10_000)]
+    proc = spawn_server("--disk", str(data), "--disk-limit", "64MiB")
+    with Wire(proc.host, proc.port) as w:
+        put_many(w, keys, 700)
+    proc.kill()  # not even a clean shutdown
+    proc.restart()
+    with Wire(proc.host, proc.port) as w:
+        assert get_many(w, keys) == [value(k, 700) for k in keys]
+
+
+def test_sigkill_while_streaming_puts(spawn_server, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    # The disk limit holds everything written, so no acknowledged object may be evicted.
+    proc = spawn_server("--disk", str(data), "--disk-limit", "1GiB", "--fsync", "never")
+    acked: list[str] = []
+    stop = threading.Event()
+
+    def acked_writer() -> None:
+        with Wire(proc.host, proc.port) as w:
+            i = 0
+            while not stop.is_set():
+                key = f"ack{i}"
+                try:
+                    reply, _ = w.call(Command.PUT_ACK, key, value(key, 64 * KiB))
+                except OSError:
+                    return
+                if reply.status == 200:
+                    acked.append(key)
+                i += 1
+
+    def blind_writer() -> None:
+        with Wire(proc.host, proc.port) as w:
+            i = 0
+            while not stop.is_set() and i < 2000:  # at most ~400 MiB, ~100 MB/s
+                try:
+                    w.send(Command.PUT, f"ff{i}", value(f"ff{i}", 200 * KiB))
+                except OSError:
+                    return
+                i += 1
+                time.sleep(0.002)
+
+    threads = [threading.Thread(target=acked_writer), threading.Thread(target=blind_writer)]
+    for t in threads:
+        t.start()
+    time.sleep(2)
+    proc.kill()
+    stop.set()
+    for t in threads:
+        t.join(10)
+    assert len(acked) > 10
+    proc.restart()
+    assert not list((data / "tmp").iterdir())  # temp files of the killed run are gone
+    with Wire(proc.host, proc.port) as w:
+        keys = decode_key_lines(w.call(Command.LIST)[1])
+        assert set(acked) <= set(keys)
+        got = get_many(w, keys)
+    for key, body in zip(keys, got, strict=True):
+        size = 64 * KiB if key.startswith("ack") else 200 * KiB
+        assert body == value(key, size), key  # nothing torn or mixed is ever served
+
+
+def stop_and_flip_a_byte(proc, data: Path) -> None:
+    assert proc.terminate() == 0
+    [victim] = [p for p in files_under(data / "objects")]
+    raw = bytearray(victim.read_bytes())
+    raw[-10] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+
+
+def test_flipped_byte_is_a_miss_not_wrong_data(spawn_server, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    proc = spawn_server("--disk", str(data))
+    with Wire(proc.host, proc.port) as w:
+        w.put("precious", value("precious", 100 * KiB))
+    stop_and_flip_a_byte(proc, data)
+    proc.restart()
+    with Wire(proc.host, proc.port) as w:
+        assert w.get("precious") is None
+        assert disk_tier(stats(w))["corrupt"] == 1
+        assert w.call(Command.EXIST, "precious")[0].status == 400
+
+
+def test_lost_index_is_rebuilt_from_files(spawn_server, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    keys = [f"r{i}" for i in range(500)]
+    proc = spawn_server("--disk", str(data))
+    with Wire(proc.host, proc.port) as w:
+        put_many(w, keys)
+    assert proc.terminate() == 0
+    for index_file in data.glob("index.sqlite3*"):
+        index_file.unlink()
+    proc.restart()
+    with Wire(proc.host, proc.port) as w:
+        assert get_many(w, keys) == [value(k) for k in keys]
+
+
+def test_disk_usage_stays_under_limit(spawn_server, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    limit = 8 * MiB
+    proc = spawn_server("--disk", str(data), "--disk-limit", str(limit), "--memory-limit", "4MiB")
+    with Wire(proc.host, proc.port) as w:
+        for i in range(96):  # 3x the limit in 256 KiB objects
+            w.put(f"d{i}", value(f"d{i}", 256 * KiB))
+            on_disk = sum(p.stat().st_size for p in files_under(data / "objects"))
+            assert on_disk <= limit
+        tier = disk_tier(stats(w))
+        assert tier["bytes"] <= limit and tier["evictions"] > 0
+        assert w.get("d95") == value("d95", 256 * KiB)
+
+
+def test_hostile_keys_stay_inside_the_data_directory(spawn_server, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    keys = ["../../escape", "/etc/passwd", "a/b/../../c", "..", "tab\there", "bell\x07\x1b[0m", "é" * 75]
+    proc = spawn_server("--disk", str(data), "--memory-limit", "1MiB")
+    with Wire(proc.host, proc.port) as w:
+        for key in keys:
+            w.put(key, value(key, 300 * KiB))  # larger than memory can keep: all on disk
+    proc.terminate()
+    proc.restart()
+    with Wire(proc.host, proc.port) as w:
+        for key in keys:
+            assert w.get(key) == value(key, 300 * KiB), key
+    root = data.resolve()
+    for path in tmp_path.rglob("*"):
+        if path.is_file():
+            assert path.resolve().is_relative_to(root) or path.parent == tmp_path
+    assert not (tmp_path / "escape").exists()
+
+
+def test_data_set_larger_than_memory_is_served_from_disk(spawn_server, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    proc = spawn_server("--disk", str(data), "--memory-limit", "8MiB", "--disk-limit", "128MiB")
+    keys = [f"big{i}" for i in range(40)]
+    with Wire(proc.host, proc.port) as w:
+        for key in keys:  # 40 MiB through 8 MiB of memory, fire-and-forget
+            w.send(Command.PUT, key, value(key, MiB))
+        for key in keys:
+            assert w.get(key) == value(key, MiB), key
+        assert w.call(Command.EXIST_MANY, "", b"".join(bytes([len(k)]) + k.encode() for k in keys))[1] == (
+            b"\x01" * 40
+        )
+        st = stats(w)
+        assert st["store"]["promotions"] > 0
+        assert st["tiers"][0]["bytes"] <= 8 * MiB
+        # DELETE acts on every tier.
+        assert w.call(Command.DELETE, "big0")[0].status == 200
+        assert w.get("big0") is None
+    proc.terminate()
+    proc.restart()
+    with Wire(proc.host, proc.port) as w:
+        assert w.get("big0") is None
+        assert w.get("big1") == value("big1", MiB)
+
+
+def test_overwrite_reaches_disk_in_order(spawn_server, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    proc = spawn_server("--disk", str(data), "--memory-limit", "4MiB")
+    with Wire(proc.host, proc.port) as w:
+        for version in range(30):
+            w.send(Command.PUT, "hot", value(f"v{version}", 512 * KiB))
+        assert w.get("hot") == value("v29", 512 * KiB)
+    assert proc.terminate() == 0
+    proc.restart()
+    with Wire(proc.host, proc.port) as w:
+        assert w.get("hot") == value("v29", 512 * KiB)
+
+
+def test_no_leftover_temp_files_after_clean_stop(spawn_server, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    proc = spawn_server("--disk", str(data))
+    with Wire(proc.host, proc.port) as w:
+        put_many(w, [f"t{i}" for i in range(50)])
+    proc.terminate()
+    assert not list((data / "tmp").iterdir())
+    assert os.path.exists(data / "index.sqlite3")
+
+
+def test_replies_stay_in_order_behind_pending_acks(spawn_server, tmp_path: Path) -> None:
+    proc = spawn_server("--disk", str(tmp_path / "data"), "--fsync", "always")
+    with Wire(proc.host, proc.port) as w:
+        burst = b""
+        for i in range(50):
+            burst += w.frame(Command.PUT_ACK, f"o{i}", value(f"o{i}"))
+            burst += w.frame(Command.GET, f"o{i}")  # visible at once, answered after the ack
+            burst += w.frame(Command.EXIST, f"o{i + 1}")  # not yet stored
+        w.send_raw(burst)
+        for i in range(50):
+            ack, get, exist = w.reply(), w.reply(), w.reply()
+            assert (ack[0].status, ack[1]) == (200, b"")
+            assert (get[0].status, get[1]) == (200, value(f"o{i}"))
+            assert exist[0].status == 400
