@@ -146,6 +146,13 @@ class Driver:
 
     name = "driver"
 
+    def _skip(self, n: int) -> None:
+        """Read and drop ``n`` reply bytes."""
+        while n > 0:
+            step = min(n, STAGING)
+            self.reader.read(step)
+            n -= step
+
     def __init__(self, spec: TargetSpec) -> None:
         self.spec = spec
         self.sock = _connect(spec.host, spec.port)
@@ -208,12 +215,6 @@ class LmDriver(Driver):
     def _status(self) -> tuple[int, int]:
         rep = decode_reply(self.reader.read(self.reply_size), self.gen)
         return rep.status, rep.length
-
-    def _skip(self, n: int) -> None:
-        while n > 0:
-            step = min(n, STAGING)
-            self.reader.read(step)
-            n -= step
 
     def put(self, idxs: Sequence[int], body: memoryview) -> int:
         if not self.spec.put_ack:
@@ -344,12 +345,6 @@ class RespDriver(Driver):
                 self._skip(n + 2)
             return False
         return line == b"+OK" or line == b":1"
-
-    def _skip(self, n: int) -> None:
-        while n > 0:
-            step = min(n, STAGING)
-            self.reader.read(step)
-            n -= step
 
     def put(self, idxs: Sequence[int], body: memoryview) -> int:
         for i in idxs:
