@@ -197,16 +197,20 @@ class MemoryTier:
         return True
 
     def _evict_one(self) -> bool:
-        """Unlink the least recently used object; False when there is none to evict."""
+        """Unlink the least recently used object that nobody is using; False if none.
+
+        Pinned objects (being sent, or written behind to disk) are passed over: unlinking
+        them would free nothing now, and they are in use, i.e. recently used, anyway.
+        """
         victim: Entry | None = None
         for shard in self._shards:
             with shard.lock:
-                head = next(iter(shard.entries.values()), None)
+                head = next((e for e in shard.entries.values() if e.pins == 0), None)
             if head is not None and (victim is None or head.tick < victim.tick):
                 victim = head
         if victim is None:
             return False
-        if self.delete(victim.key):
+        if victim.pins == 0 and self.delete(victim.key):
             self.counters.evictions += 1
             self.counters.evicted_bytes += victim.length
         return True

@@ -1,0 +1,120 @@
+"""MemoryTier and BufferPool directly: capacity accounting, pins, LRU, reuse, threads."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from lmproto import NO_META, ObjectMeta
+from lmserver.memory import MemoryTier
+from lmserver.pool import BufferPool, size_class
+
+KiB = 1024
+MiB = 1024 * KiB
+
+
+def store(tier: MemoryTier, key: str, data: bytes, meta: ObjectMeta = NO_META) -> None:
+    entry = tier.reserve(len(data))
+    assert entry is not None
+    entry.buffer[: len(data)] = data
+    tier.commit(key, entry, meta)
+
+
+@pytest.mark.parametrize("length", [0, 1, 4096, 4097, 64 * KiB, 3 * MiB + 5, 32 * MiB, 2**31 - 1])
+def test_size_classes_fit_and_waste_little(length: int) -> None:
+    cls = size_class(length)
+    assert cls >= length
+    assert cls - length <= max(4096, length // 16)  # a page, or 1/16 of the object
+
+
+def test_pool_reuses_buffers_and_never_exceeds_capacity() -> None:
+    pool = BufferPool(8 * MiB)
+    first = pool.acquire(MiB)
+    assert first is not None
+    pool.release(first)
+    again = pool.acquire(MiB)
+    assert again is first and pool.reuses == 1
+    held = [pool.acquire(MiB) for _ in range(7)]
+    assert all(b is not None for b in held)
+    assert pool.acquire(MiB) is None  # 8 MiB handed out
+    for b in held:
+        pool.release(b)  # type: ignore[arg-type]
+    # Idle buffers of another class are dropped to make room for a new class.
+    big = pool.acquire(6 * MiB)
+    assert big is not None and pool.in_use + pool.idle <= pool.capacity
+
+
+def test_lru_eviction_order_and_recency_rules() -> None:
+    tier = MemoryTier(4 * 4096, shards=4)
+    for key in "abcd":
+        store(tier, key, b"x" * 4096)
+    hit = tier.get("a")  # a use: refreshes recency
+    assert hit is not None
+    tier.unpin(hit)
+    assert tier.contains("b")  # a lookup: does not
+    store(tier, "e", b"y" * 4096)
+    assert not tier.contains("b") and tier.contains("a")
+    assert tier.counters.evictions == 1
+
+
+def test_pinned_objects_are_not_evicted_and_memory_is_freed_on_unpin() -> None:
+    tier = MemoryTier(2 * 4096, shards=2)
+    store(tier, "old", b"o" * 4096)
+    store(tier, "new", b"n" * 4096)
+    pinned = tier.get("old")  # a reader still sending it
+    assert pinned is not None
+    store(tier, "newer", b"z" * 4096)  # must evict "new", the LRU object nobody uses
+    assert tier.contains("old") and not tier.contains("new")
+    also_pinned = tier.get("newer")
+    assert also_pinned is not None
+    assert tier.reserve(4096) is None  # everything left is pinned
+    assert tier.counters.refusals == 1
+    tier.unpin(also_pinned)
+    tier.delete("old")  # unlinked while pinned: its buffer is still held ...
+    assert tier.pool.in_use == 2 * 4096 and not tier.contains("old")
+    assert bytes(pinned.view) == b"o" * 4096  # ... and unchanged for its reader
+    tier.unpin(pinned)
+    assert tier.pool.in_use == 4096  # returned when the last pin went
+    assert tier.reserve(4096) is not None
+
+
+def test_overwrite_and_abort_account_exactly() -> None:
+    tier = MemoryTier(MiB)
+    store(tier, "k", b"1" * 1000)
+    store(tier, "k", b"22")
+    assert (tier.objects, tier.bytes) == (1, 2)
+    entry = tier.reserve(5000)
+    assert entry is not None
+    tier.abort(entry)
+    assert tier.pool.in_use == 4096  # only the stored object's buffer
+    assert list(tier.keys()) == ["k"]
+
+
+def test_keys_by_prefix_are_sorted() -> None:
+    tier = MemoryTier(MiB)
+    for key in ["b/2", "a", "b/1", "c", "b/10"]:
+        store(tier, key, b"v")
+    assert list(tier.keys()) == ["a", "b/1", "b/10", "b/2", "c"]
+    assert list(tier.keys("b/")) == ["b/1", "b/10", "b/2"]
+
+
+def test_concurrent_threads_keep_the_accounting_exact() -> None:
+    tier = MemoryTier(64 * 4096, shards=8)
+
+    def worker(n: int) -> None:
+        for i in range(300):
+            key = f"t{n}-{i % 40}"
+            store(tier, key, bytes([n]) * 3000)
+            hit = tier.get(f"t{n}-{(i * 7) % 40}")
+            if hit is not None:
+                assert bytes(hit.view) == bytes([n]) * 3000
+                tier.unpin(hit)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert tier.pool.in_use == tier.objects * 4096 <= tier.capacity
+    assert tier.bytes == tier.objects * 3000
