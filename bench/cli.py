@@ -77,7 +77,26 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", help="output folder (default bench/results/<UTC timestamp>)")
     r.add_argument("--no-latest", action="store_true", help="do not copy results to bench/latest")
     r.add_argument("--no-plots", action="store_true")
+    rs = sub.add_parser("restart", help="time lmserver restarts with many objects on its disk tier")
+    rs.add_argument("--objects", type=int, default=100_000, help="objects to store before restarting")
+    rs.add_argument("--size", type=int, default=1024, help="bytes per object")
+    rs.add_argument("--out", help="output folder (default bench/results/<UTC timestamp>-restart)")
+    rs.add_argument("--no-latest", action="store_true", help="do not copy restart.json to bench/latest")
     return ap
+
+
+def restart(args: argparse.Namespace) -> int:
+    from .restart import format_restart, run_restart
+
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    out = Path(args.out) if args.out else REPO / "bench" / "results" / f"{stamp}-restart"
+    results = run_restart(args.objects, args.size, out)
+    print(format_restart(results))
+    if not args.no_latest:
+        LATEST.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(out / "restart.json", LATEST / "restart.json")
+        (LATEST / "restart.md").write_text(format_restart(results) + "\n")
+    return 0
 
 
 class Runner:
@@ -338,4 +357,6 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.suppress(KeyboardInterrupt):
             return run(args)
         return 130
+    if args.cmd == "restart":
+        return restart(args)
     return 2
