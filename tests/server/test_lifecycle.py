@@ -93,3 +93,17 @@ def test_env_var_defaults(spawn_server) -> None:
     proc = spawn_server(env={"LMSERVER_MAX_CONNECTIONS": "7", "LMSERVER_MEMORY_LIMIT": "32MiB"})
     listening = proc.events("listening")[0]
     assert listening["max_connections"] == 7
+
+
+def test_upstream_positional_form_with_a_disk_path(spawn_server, tmp_path) -> None:
+    probe = spawn_server()
+    port = probe.port
+    probe.terminate()
+    proc = spawn_server("127.0.0.1", str(port), str(tmp_path / "kv"))
+    assert proc.events("listening")[0]["disk"] == str(tmp_path / "kv")
+    with Wire(proc.host, proc.port) as w:
+        w.put("k", b"on disk")
+    proc.terminate()
+    proc.restart()
+    with Wire(proc.host, proc.port) as w:
+        assert w.get("k") == b"on disk"
