@@ -71,6 +71,7 @@ MAX_ACKS_IN_FLIGHT = 1024
 """PUT_ACKs of one connection that may wait for the disk at once before it stops reading."""
 
 _EMPTY = memoryview(b"")
+_SUCCESS, _FAIL = int(Status.SUCCESS), int(Status.FAIL)  # plain ints: cheaper dict keys on the hot path
 
 
 class _Held:
@@ -107,6 +108,8 @@ class LMProtocol(asyncio.BufferedProtocol):
         self.generation: Generation | None = {"v0": Generation.V0, "v1": Generation.V1}.get(
             self.config.protocol
         )
+        # Bodiless replies of this connection's generation, encoded once.
+        self._canned = _CANNED[self.generation] if self.generation is not None else {}
         self.staging = bytearray(STAGING_SIZE)
         self.staging_view = memoryview(self.staging)
         self.start = 0  # staged bytes not yet parsed are staging[start:end]
@@ -242,6 +245,8 @@ class LMProtocol(asyncio.BufferedProtocol):
         """Parse and serve staged requests until data runs out or something must wait."""
         if self.generation is None:
             self.generation = detect_generation(self.staging_view[: self.end], self.start)
+            if self.generation is not None:
+                self._canned = _CANNED[self.generation]
         if self.generation is not None:
             self._serve_staged(self.generation)
         self._flush()
@@ -252,8 +257,12 @@ class LMProtocol(asyncio.BufferedProtocol):
         # The hot loop of pipelined small requests: keep its per-request work minimal.
         size = REQUEST_SIZE[generation]
         staging = self.staging
+        handlers = self._handlers
         served = 0
-        while self.end - self.start >= size and self._can_parse():
+        check = True  # whether the last request may have changed what _can_parse says
+        while self.end - self.start >= size:
+            if check and not self._can_parse():
+                break
             try:
                 request = decode_request(staging, generation, self.start)
             except RemoteProtocolError as exc:
@@ -263,12 +272,16 @@ class LMProtocol(asyncio.BufferedProtocol):
             if self.start == self.end:
                 self.start = self.end = 0
             served += 1
-            if request.length or request.problem is not None:
+            command = request.command
+            if request.length or request.problem is not None or command not in handlers:
                 self._on_header(request)
+                check = True
             else:
-                self._handlers.get(request.command, self._on_header_only)(request, _EMPTY)
+                handlers[command](request, _EMPTY)
+                check = command not in _ANSWERED_INLINE
             if self.reply_bytes >= FLUSH_THRESHOLD:
                 self._flush()
+                check = True
         self.counters["requests"] += served
 
     def _can_parse(self) -> bool:
@@ -281,9 +294,6 @@ class LMProtocol(asyncio.BufferedProtocol):
             or self.discard_left
             or self.acks_in_flight >= MAX_ACKS_IN_FLIGHT
         )
-
-    def _on_header_only(self, req: Request, body: memoryview) -> None:
-        self._on_header(req)
 
     # -- request headers ------------------------------------------------------------------
 
@@ -401,7 +411,7 @@ class LMProtocol(asyncio.BufferedProtocol):
             return
         assert self.generation is not None
         if ok:
-            slot.buffers.append(_CANNED[self.generation][Status.SUCCESS])
+            slot.buffers.append(self._canned[Status.SUCCESS])
         else:
             reason = encode_error_text("stored in memory, not on disk")
             header = encode_reply(Status.NO_SPACE, len(reason), generation=self.generation)
@@ -440,7 +450,7 @@ class LMProtocol(asyncio.BufferedProtocol):
             self._reply_miss()
 
     def _exist(self, req: Request, body: memoryview) -> None:
-        self._emit_canned(Status.SUCCESS if self.store.contains(req.key) else Status.FAIL)
+        self._emit_canned(_SUCCESS if self.store.contains(req.key) else _FAIL)
 
     def _list(self, req: Request, body: memoryview) -> None:
         keys = self.store.keys(req.key, self.config.max_list_keys)
@@ -503,12 +513,12 @@ class LMProtocol(asyncio.BufferedProtocol):
 
     def _emit_canned(self, status: int) -> None:
         """A reply with no body: one precomputed header (the common case, kept fast)."""
-        assert self.generation is not None
+        header = self._canned[status]
         if self.held:
-            self._emit(_CANNED[self.generation][status])
+            self._emit(header)
         else:
-            self.replies.append(_CANNED[self.generation][status])
-            self.reply_bytes += 8
+            self.replies.append(header)
+            self.reply_bytes += len(header)
 
     def _emit(self, *buffers: bytes | memoryview, pin: Entry | None = None) -> None:
         """Queue one reply (header and body as separate buffers), behind held ones if any."""
@@ -608,3 +618,5 @@ class LMProtocol(asyncio.BufferedProtocol):
 
 
 _EXTENSIONS = frozenset({Command.PUT_ACK, Command.DELETE, Command.EXIST_MANY, Command.STATS})
+_ANSWERED_INLINE = frozenset({Command.EXIST, Command.HEALTH, Command.LIST, Command.STATS})
+"""Commands whose handler only queues a reply: serving one cannot stop the parse loop."""
