@@ -35,6 +35,7 @@ class BufferPool:
         self._free: dict[int, list[bytearray]] = {}
         self._in_use = 0  # class bytes handed out and not yet released
         self._idle = 0  # class bytes sitting on free lists
+        self._idle_low = 0  # the fewest idle bytes since the last trim_unused()
         self.fresh_allocations = 0
         self.reuses = 0
 
@@ -54,11 +55,13 @@ class BufferPool:
             if free:
                 self._idle -= cls
                 self._in_use += cls
+                self._idle_low = min(self._idle_low, self._idle)
                 self.reuses += 1
                 return free.pop()
             if self._in_use + cls > self.capacity:
                 return None
             self._trim_locked(self.capacity - self._in_use - cls)
+            self._idle_low = min(self._idle_low, self._idle)
             self._in_use += cls
             self.fresh_allocations += 1
         # Allocate outside the lock: a large bytearray is a page-faulting memset.
@@ -77,6 +80,19 @@ class BufferPool:
         """Drop idle buffers until at most ``keep`` idle bytes remain."""
         with self._lock:
             self._trim_locked(keep)
+
+    def trim_unused(self) -> int:
+        """Give back to the OS the idle bytes no acquire needed since the last call.
+
+        Called periodically: a steady workload keeps reusing its buffers and loses none,
+        while buffers left over from a burst or an older object size stop holding RSS.
+        Returns the bytes dropped.
+        """
+        with self._lock:
+            before = self._idle
+            self._trim_locked(self._idle - self._idle_low)
+            self._idle_low = self._idle
+            return before - self._idle
 
     def _trim_locked(self, keep: int) -> None:
         # Drop the largest idle classes first: fewest buffers freed for the most room.

@@ -24,7 +24,7 @@ from .logs import configure_logging
 from .memory import MemoryTier
 from .sizes import format_size
 from .state import ServerState
-from .stats import log_periodically
+from .stats import log_periodically, trim_idle_memory
 from .store import Store
 from .tiers.base import Tier
 
@@ -71,6 +71,7 @@ class Server:
         sockname = self._server.sockets[0].getsockname()
         self.host, self.port = sockname[0], sockname[1]
         self._background.append(loop.create_task(log_periodically(self.state)))
+        self._background.append(loop.create_task(trim_idle_memory(self.state)))
         log.info(
             "listening",
             host=self.host,

@@ -40,6 +40,16 @@ def server_stats(state: ServerState) -> dict[str, Any]:
     }
 
 
+async def trim_idle_memory(state: ServerState, interval: float = 30.0) -> None:
+    """Every ``interval``, return pool buffers that stayed idle the whole time to the OS."""
+    pool = state.store.memory.pool
+    while True:
+        await asyncio.sleep(interval)
+        freed = pool.trim_unused()
+        if freed:
+            log.debug("idle object buffers released", bytes=freed, idle_left=pool.idle)
+
+
 async def log_periodically(state: ServerState, interval: float = 60.0) -> None:
     """One aggregate line per interval with what changed (evictions, refusals, errors):
     operators see the trend without a line per operation."""

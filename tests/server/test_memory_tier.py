@@ -45,6 +45,20 @@ def test_pool_reuses_buffers_and_never_exceeds_capacity() -> None:
     assert big is not None and pool.in_use + pool.idle <= pool.capacity
 
 
+def test_idle_buffers_unused_for_an_interval_are_trimmed() -> None:
+    pool = BufferPool(16 * MiB)
+    buffers = [pool.acquire(MiB) for _ in range(6)]
+    for b in buffers:
+        pool.release(b)  # type: ignore[arg-type]
+    assert pool.trim_unused() == 0  # the first call only starts the interval
+    again = [pool.acquire(MiB) for _ in range(2)]  # a steady workload uses 2 of the 6
+    for b in again:
+        pool.release(b)  # type: ignore[arg-type]
+    assert pool.trim_unused() == 4 * MiB
+    assert pool.idle == 2 * MiB and pool.in_use == 0
+    assert pool.acquire(MiB) is not None and pool.reuses == 3
+
+
 def test_lru_eviction_order_and_recency_rules() -> None:
     tier = MemoryTier(4 * 4096, shards=4)
     for key in "abcd":
