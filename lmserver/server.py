@@ -164,7 +164,7 @@ def run(config: ServerConfig) -> int:
         loop.add_signal_handler(signum, on_signal, signum)
     try:
         loop.run_until_complete(server.serve())
-    except OSError as exc:
+    except (OSError, RuntimeError) as exc:  # port taken, disk folder in use or unusable
         log.error("cannot start", error=str(exc))
         return 1
     finally:
