@@ -25,7 +25,10 @@ Strategy:
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import socket
+import sys
+import termios
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -67,11 +70,24 @@ STAGING_SIZE = 64 * 1024
 FLUSH_THRESHOLD = 4 * 1024 * 1024
 """Reply bytes queued in one callback before they are written without waiting for its end."""
 
+LINGER_S = 2.0
+"""How long a gracefully closed connection keeps reading (and dropping) what the peer sends."""
+
 MAX_ACKS_IN_FLIGHT = 1024
 """PUT_ACKs of one connection that may wait for the disk at once before it stops reading."""
 
 _EMPTY = memoryview(b"")
 _SUCCESS, _FAIL = int(Status.SUCCESS), int(Status.FAIL)  # plain ints: cheaper dict keys on the hot path
+
+
+def _unread_input(transport: asyncio.BaseTransport) -> bool:
+    """Whether the kernel holds bytes from the peer that nobody has read (FIONREAD)."""
+    sock = transport.get_extra_info("socket")
+    try:
+        raw = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+    except (AttributeError, OSError, ValueError):
+        return True  # unknown: assume there is, and linger
+    return int.from_bytes(raw, sys.byteorder) > 0
 
 
 class _Held:
@@ -176,8 +192,9 @@ class LMProtocol(asyncio.BufferedProtocol):
         if not self.state.connections:
             self.state.no_connections.set()
         if self.body_entry is not None:
-            # A PUT cut short: its reservation is never published.
-            self.counters["puts_cut_short"] += 1
+            # A body cut short (a PUT's, or a control body's): its reservation is given
+            # back and, for a PUT, never published.
+            self.counters["bodies_cut_short"] += 1
             self.store.abort(self.body_entry)
             self.body_entry = None
         self._release_pins()
@@ -186,19 +203,43 @@ class LMProtocol(asyncio.BufferedProtocol):
 
     def eof_received(self) -> bool:
         if self.body is not None or self.discard_left or self.end > self.start:
-            log.info("peer closed mid-request", peer=self.peer, unparsed=self.end - self.start)
+            log.debug("peer closed mid-request", peer=self.peer, unparsed=self.end - self.start)
         return False  # close our side too
 
     def shutdown(self) -> None:
-        """Graceful stop: finish the request in progress, then close."""
-        self.closing = True
-        self._close_if_idle()
+        """Graceful stop: serve the requests already received (finishing a body in
+        progress), read nothing new, then close."""
+        if not self.closing:
+            self.closing = True
+            self._process()
 
     def _close_if_idle(self) -> None:
-        if self.closing and not self.closed and not self.busy and self.body is None and not self.discard_left:
-            self.closed = True
-            assert self.transport is not None
-            self.transport.close()
+        if (
+            self.closing
+            and not self.closed
+            and not self.busy
+            and self.body is None
+            and not self.discard_left
+            and not self.held  # PUT_ACK answers still to come
+            and not self.write_paused
+        ):
+            self._linger_close()
+
+    def _linger_close(self) -> None:
+        """Close without losing replies: send FIN after the last reply and drop whatever
+        the peer still sends until it closes too (or LINGER_S passes). Closing outright
+        with unread bytes in the socket makes the kernel send RST, which can discard
+        replies the peer has not read yet."""
+        self.closed = True
+        transport = self.transport
+        assert transport is not None
+        if not _unread_input(transport) or not transport.can_write_eof():
+            transport.close()  # nothing unread: a plain close sends FIN, not RST
+            return
+        transport.write_eof()
+        self.start = self.end = 0
+        transport.resume_reading()  # buffer_updated drops everything once closed
+        asyncio.get_running_loop().call_later(LINGER_S, transport.close)
 
     def _fatal(self, reason: str) -> None:
         """The stream can no longer be framed: log, count, and close this connection only."""
@@ -225,6 +266,7 @@ class LMProtocol(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         if self.closed:
+            self.start = self.end = 0  # closing: what still arrives is dropped
             return
         self.counters["bytes_received"] += nbytes
         if self.body is not None:
@@ -289,7 +331,6 @@ class LMProtocol(asyncio.BufferedProtocol):
             self.busy
             or self.write_paused
             or self.closed
-            or self.closing
             or self.body is not None
             or self.discard_left
             or self.acks_in_flight >= MAX_ACKS_IN_FLIGHT

@@ -123,10 +123,10 @@ def test_put_cut_short_is_never_visible(server_thread) -> None:
         w.put("victim", b"old value")
         w.send_raw(raw_v0(Command.PUT, 1000, b"victim") + b"partial")
     with Wire(server_thread.host, server_thread.port) as w:
-        wait_until(lambda: stats(server_thread)["puts_cut_short"] == 1)
+        wait_until(lambda: stats(server_thread)["bodies_cut_short"] == 1)
         assert w.get("victim") == b"old value"
         w.send_raw(raw_v0(Command.PUT, 1000, b"fresh") + b"x" * 999)
-    wait_until(lambda: stats(server_thread)["puts_cut_short"] == 2)
+    wait_until(lambda: stats(server_thread)["bodies_cut_short"] == 2)
     with Wire(server_thread.host, server_thread.port) as w:
         assert w.get("fresh") is None
     # The reservations went back: only the one stored object's buffer is in use.

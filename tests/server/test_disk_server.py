@@ -286,3 +286,29 @@ def test_second_server_on_the_same_disk_folder_refuses_to_start(spawn_server, tm
     )
     assert second.returncode == 1
     assert "cannot start" in second.stderr and "in use" in second.stderr
+
+
+def test_sigterm_answers_what_it_received_then_closes_cleanly(spawn_server, tmp_path: Path) -> None:
+    """Graceful stop: requests already received are served and acknowledged (after their
+    disk writes), the rest of a pipelined burst is not read, and the connection ends with
+    a clean EOF (no RST that could destroy the acknowledgements in flight)."""
+    proc = spawn_server("--disk", str(tmp_path / "data"), "--fsync", "always")
+    keys = [f"late{i}" for i in range(200)]
+    with Wire(proc.host, proc.port) as w:
+        w.send_raw(b"".join(w.frame(Command.PUT_ACK, k, value(k, 64 * KiB)) for k in keys))
+        proc.proc.send_signal(15)
+        acked = 0
+        while True:
+            try:
+                reply, _ = w.reply()
+            except ConnectionError as exc:
+                assert not isinstance(exc, ConnectionResetError)
+                break
+            assert reply.status == 200
+            acked += 1
+    assert acked >= 1
+    assert proc.proc.wait(20) == 0
+    proc.stop()
+    proc.restart()
+    with Wire(proc.host, proc.port) as w:
+        assert get_many(w, keys[:acked]) == [value(k, 64 * KiB) for k in keys[:acked]]
