@@ -22,6 +22,7 @@ from typing import Any
 
 from lmproto import REPLY_SIZE, Command, Generation, decode_reply, encode_request
 
+from .drivers import Reader
 from .targets import Target, start_lmserver
 
 GEN = Generation.V0
@@ -31,22 +32,11 @@ def _value(i: int, size: int) -> bytes:
     return (i.to_bytes(8, "little") * (size // 8 + 1))[:size]
 
 
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if not k:
-            raise ConnectionError("server closed the connection")
-        got += k
-    return bytes(buf)
-
-
 def _fill(port: int, objects: int, size: int) -> float:
     """Store ``objects`` objects with pipelined PUT_ACKs; returns objects per second."""
     start = time.perf_counter()
     with socket.create_connection(("127.0.0.1", port)) as sock:
+        reader = Reader(sock)
         for first in range(0, objects, 1000):
             batch = range(first, min(first + 1000, objects))
             frames = [
@@ -56,8 +46,8 @@ def _fill(port: int, objects: int, size: int) -> float:
             ]
             sock.sendall(b"".join(frames))
             for _ in batch:
-                reply = decode_reply(_recv_exactly(sock, REPLY_SIZE[GEN]), GEN)
-                _recv_exactly(sock, reply.length)
+                reply = decode_reply(reader.read(REPLY_SIZE[GEN]), GEN)
+                reader.readinto(memoryview(bytearray(reply.length)))  # a reason text, if any
                 if reply.status != 200:
                     raise RuntimeError(f"PUT_ACK answered {reply.status}")
     return objects / (time.perf_counter() - start)
@@ -67,10 +57,12 @@ def _check_sample(port: int, objects: int, size: int, sample: int = 200) -> int:
     """How many of a random sample of objects come back byte-identical."""
     good = 0
     with socket.create_connection(("127.0.0.1", port)) as sock:
+        reader = Reader(sock)
         for i in random.Random(7).sample(range(objects), min(sample, objects)):
             sock.sendall(encode_request(Command.GET, f"r{i}", generation=GEN))
-            reply = decode_reply(_recv_exactly(sock, REPLY_SIZE[GEN]), GEN)
-            body = _recv_exactly(sock, reply.length)
+            reply = decode_reply(reader.read(REPLY_SIZE[GEN]), GEN)
+            body = bytearray(reply.length)
+            reader.readinto(memoryview(body))
             good += reply.status == 200 and body == _value(i, size)
     return good
 
