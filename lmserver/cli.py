@@ -9,6 +9,7 @@ Every serve option can also come from an environment variable ``LMSERVER_<OPTION
 
 from __future__ import annotations
 
+import json
 import socket
 import sys
 from pathlib import Path
@@ -231,7 +232,7 @@ def health(host: str, port: int, timeout: float, show_stats: bool) -> None:
             status, _ = _ask(sock, Command.HEALTH)
             if show_stats:
                 _, body = _ask(sock, Command.STATS)
-                click.echo(click.style(str(decode_json(body)), fg=None))
+                click.echo(json.dumps(decode_json(body), indent=2, sort_keys=True))
     except OSError as exc:
         click.echo(f"unhealthy: {host}:{port}: {exc}", err=True)
         sys.exit(1)

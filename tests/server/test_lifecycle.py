@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -59,6 +60,9 @@ def test_health_subcommand(spawn_server) -> None:
     proc = spawn_server()
     ok = lmcache_server("health", "--port", str(proc.port))
     assert ok.returncode == 0 and "healthy" in ok.stdout
+    with_stats = lmcache_server("health", "--port", str(proc.port), "--stats")
+    assert with_stats.returncode == 0
+    assert json.loads(with_stats.stdout[: with_stats.stdout.rindex("}") + 1])["server"] == "lmserver"
     proc.terminate()
     down = lmcache_server("health", "--port", str(proc.port), "--timeout", "1")
     assert down.returncode == 1 and "unhealthy" in down.stderr
