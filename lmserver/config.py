@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 DEFAULT_PORT = 65432
 DEFAULT_MAX_OBJECT_SIZE = 512 * 1024**2
@@ -50,9 +50,6 @@ class ServerConfig:
     # Logging
     log_level: str = "info"
     log_format: Literal["auto", "console", "json"] = "auto"
-
-    def replace(self, **changes: Any) -> ServerConfig:
-        return replace(self, **changes)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -60,6 +60,7 @@ from lmproto import (
 from .logs import ThrottledWarnings
 from .memory import Entry
 from .state import ServerState
+from .stats import server_stats
 
 log = structlog.get_logger("lmserver.connection")
 throttled = ThrottledWarnings(log)
@@ -514,7 +515,7 @@ class LMProtocol(asyncio.BufferedProtocol):
         self._reply(Status.SUCCESS, memoryview(encode_presence([contains(k) for k in keys])))
 
     def _stats(self, req: Request, body: memoryview) -> None:
-        self._reply(Status.SUCCESS, memoryview(encode_json(self.state_stats())))
+        self._reply(Status.SUCCESS, memoryview(encode_json(server_stats(self.state))))
 
     def _reply_fetched(self, entry: Entry | None) -> None:
         if entry is None:
@@ -528,11 +529,6 @@ class LMProtocol(asyncio.BufferedProtocol):
 
     def _reply_deleted(self, found: bool) -> None:
         self._reply(Status.SUCCESS if found else Status.NOT_FOUND)
-
-    def state_stats(self) -> dict[str, Any]:
-        from .stats import server_stats
-
-        return server_stats(self.state)
 
     # -- replies ------------------------------------------------------------------------
 

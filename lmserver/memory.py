@@ -215,10 +215,6 @@ class MemoryTier:
             self.counters.evicted_bytes += victim.length
         return True
 
-    def clear(self) -> None:
-        for key in list(self.keys()):
-            self.delete(key)
-
     # -- listing and accounting ---------------------------------------------------------
 
     def keys(self, prefix: str = "") -> Iterator[str]:
@@ -246,6 +242,8 @@ class MemoryTier:
             "capacity": self.capacity,
             "reserved_bytes": self.pool.in_use,
             "idle_pool_bytes": self.pool.idle,
+            "pool_fresh_allocations": self.pool.fresh_allocations,
+            "pool_reuses": self.pool.reuses,
             "hits": c.hits,
             "misses": c.misses,
             "evictions": c.evictions,

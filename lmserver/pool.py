@@ -71,15 +71,10 @@ class BufferPool:
         """Return a buffer; it must no longer be referenced by anyone."""
         cls = len(buf)
         with self._lock:
+            # Its bytes were counted against capacity when acquired: keeping it idle fits.
             self._in_use -= cls
-            if self._in_use + self._idle + cls <= self.capacity:
-                self._free.setdefault(cls, []).append(buf)
-                self._idle += cls
-
-    def trim(self, keep: int = 0) -> None:
-        """Drop idle buffers until at most ``keep`` idle bytes remain."""
-        with self._lock:
-            self._trim_locked(keep)
+            self._free.setdefault(cls, []).append(buf)
+            self._idle += cls
 
     def trim_unused(self) -> int:
         """Give back to the OS the idle bytes no acquire needed since the last call.

@@ -12,7 +12,6 @@ import contextlib
 import resource
 import signal
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import structlog
@@ -232,10 +231,3 @@ class ServerThread:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-@contextlib.contextmanager
-def serve_in_thread(**overrides: Any) -> Iterator[ServerThread]:
-    config = ServerConfig(**{"host": "127.0.0.1", "port": 0, **overrides})
-    with ServerThread(config) as thread:
-        yield thread
