@@ -153,6 +153,13 @@ class Driver:
             self.reader.read(step)
             n -= step
 
+    def _read_body(self, n: int, dest: memoryview) -> None:
+        """A reply body of ``n`` bytes into ``dest`` when it fits, else read and dropped."""
+        if n <= len(dest):
+            self.reader.readinto(dest[:n])
+        else:
+            self._skip(n)
+
     def __init__(self, spec: TargetSpec) -> None:
         self.spec = spec
         self.sock = _connect(spec.host, spec.port)
@@ -251,10 +258,7 @@ class LmDriver(Driver):
         for _ in idxs:
             status, length = self._status()
             if length:
-                if length <= len(dest):
-                    self.reader.readinto(dest[:length])
-                else:
-                    self._skip(length)
+                self._read_body(length, dest)
             if status == Status.SUCCESS and length:
                 hits += 1
                 nbytes += length
@@ -364,10 +368,7 @@ class RespDriver(Driver):
             n = int(line[1:])
             if n < 0:
                 continue
-            if n <= len(dest):
-                self.reader.readinto(dest[:n])
-            else:
-                self._skip(n)
+            self._read_body(n, dest)
             self.reader.read(2)
             hits += 1
             nbytes += n
