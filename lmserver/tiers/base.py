@@ -2,18 +2,28 @@
 
 Strategy: the memory tier is special (it owns the buffers the connection receives into and
 sends from, and is used synchronously on the event loop), so it is not one of these. Every
-tier *behind* it is asynchronous and byte-oriented:
+tier *behind* it is asynchronous and byte-oriented, and knows nothing of the other tiers:
+the Store (``lmserver/store.py``) chains them, decides what is written where, and keeps
+per-key order across the chain.
 
 * ``put`` takes the object as a read-only buffer that stays valid and unchanged until the
   awaitable finishes (the Store pins it), and returns False when the tier declines it
   (too large, out of space, I/O error): the tier has then logged and counted why.
-* ``get_into`` reads an object into memory obtained from ``alloc(length)``, so a hit read
-  from disk lands straight in the memory tier's buffer (promotion without a copy). It
-  returns the object's metadata, or None on a miss, and never returns torn or corrupt data.
+* ``get_into`` reads an object into memory obtained from ``alloc(length)``, so a hit lands
+  straight in the memory tier's buffer (promotion without a copy). It returns the object's
+  metadata, or None on a miss, and never returns torn or corrupt data.
 * ``contains`` and ``keys`` answer from the tier's in-memory index, so EXIST and LIST
   never wait for I/O.
+* **Eviction hands off instead of dropping.** When a tier evicts an object to make room it
+  calls ``self.hand_off(victim)``: the Store (which set ``on_evict``) may keep the victim
+  to demote it to the next tier, and calls ``victim.release()`` when done; with no taker
+  the victim is released at once. A tier whose victims cannot be read back cheaply may
+  simply never hand off (its victims are dropped): demotion out of it is then off.
+  ``hand_off`` never blocks, so eviction never waits for another tier's I/O. What a held
+  victim occupies still counts against the evicting tier's capacity until released.
 
-Blocking work runs in a bounded thread pool owned by the tier, never on the event loop.
+Blocking work runs in threads owned by the tier (see ``threaded.py``), never on the loop.
+A tier is configured from a ``TierSpec`` (``spec.py``) through ``from_spec``.
 """
 
 from __future__ import annotations
@@ -21,9 +31,12 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmproto import ObjectMeta
+
+if TYPE_CHECKING:
+    from .spec import Mode, TierSpec
 
 Alloc = Callable[[int], memoryview]
 """Returns a writable buffer of exactly the given length, or raises NoSpace."""
@@ -33,8 +46,18 @@ class NoSpace(Exception):
     """A buffer or storage of the requested size cannot be had right now."""
 
 
+class TierError(Exception):
+    """A tier cannot serve a request (I/O error, unreachable backend, corrupt data)."""
+
+
+class ConfigError(ValueError):
+    """A tier's configuration is invalid or its backend is missing: a startup error."""
+
+
 @dataclass
 class TierUsage:
+    """What a tier reports in STATS; ``counters`` are monotonic totals kept by the tier."""
+
     objects: int
     bytes: int
     capacity: int
@@ -44,10 +67,46 @@ class TierUsage:
         return {"objects": self.objects, "bytes": self.bytes, "capacity": self.capacity, **self.counters}
 
 
+class Victim(abc.ABC):
+    """An object a tier evicted but still holds, so it can be demoted to the next tier.
+
+    ``open`` and ``release`` may block (file I/O): the Store calls them from a worker
+    thread. ``open`` returns the verified bytes, valid until ``release``; it raises
+    ``TierError`` when they cannot be read or fail their checksum.
+    """
+
+    __slots__ = ("key", "length", "meta")
+
+    def __init__(self, key: str, length: int, meta: ObjectMeta) -> None:
+        self.key = key
+        self.length = length
+        self.meta = meta
+
+    @abc.abstractmethod
+    def open(self) -> memoryview: ...
+
+    @abc.abstractmethod
+    def release(self) -> None:
+        """Drop the object for good (idempotent)."""
+
+
+EvictHook = Callable[[Victim], None]
+
+
 class Tier(abc.ABC):
     """A storage tier behind the memory tier."""
 
     name: str = "tier"
+    default_mode: Mode = "demote"
+    """What lands here unless the spec says ``mode=``: remote tiers take only what the tiers
+    in front evict (every PUT would cross the network); the disk takes every PUT."""
+    on_evict: EvictHook | None = None
+    """Set by the Store: takes ownership of handed-off victims. Called from any thread."""
+
+    @classmethod
+    def from_spec(cls, spec: TierSpec) -> Tier:
+        """Build the tier from ``--tier`` options; raise ConfigError for bad ones."""
+        raise ConfigError(f"tier kind {spec.kind!r} cannot be configured from a spec")
 
     async def open(self) -> None:  # noqa: B027 - optional hook
         """Load persisted state; called once before the server accepts connections."""
@@ -74,6 +133,27 @@ class Tier(abc.ABC):
 
     @abc.abstractmethod
     def usage(self) -> TierUsage: ...
+
+    @property
+    def healthy(self) -> bool:
+        """False while the backend is failing (reported in STATS); the chain keeps serving."""
+        return True
+
+    @property
+    def complete_index(self) -> bool:
+        """Whether ``contains`` knows every object the backend holds. A tier shared with
+        other servers (a bucket) learns their writes only on refresh: EXIST may then say
+        no for an object a GET would find (see the spec)."""
+        return True
+
+    def hand_off(self, victim: Victim) -> None:
+        """Give an evicted object to the Store for demotion, or drop it. Never blocks
+        (the taker queues the work); safe from any thread."""
+        hook = self.on_evict
+        if hook is None:
+            victim.release()
+        else:
+            hook(victim)
 
     @abc.abstractmethod
     async def close(self) -> None: ...

@@ -1,0 +1,163 @@
+"""The in-memory index and byte accounting a storage tier keeps over its backend.
+
+Strategy: every tier behind memory answers EXIST/LIST from memory and must never exceed its
+capacity, counting objects being written and evicted objects not yet removed. That logic is
+the same whether the bytes live in files, NIXL slots or a bucket, so it is written once:
+
+* ``records`` is an ordered dict in LRU order (least recently used first) of key -> record;
+  a record is any object with a ``size`` attribute (bytes it occupies in the backend).
+* ``reserve(size)`` makes room for a write before it starts: it moves LRU records out of the
+  index into *doomed* bytes (still occupying the backend until the caller removes them) and
+  books ``size`` as *reserved*. The caller writes, then ``commit``\\ s the record (reserved
+  becomes indexed) or ``cancel``\\ s the reservation; it calls ``forget(n)`` once it has
+  removed (or handed off and later released) doomed objects.
+* Invariant: ``bytes + reserved + doomed <= capacity``.
+
+Thread-safe: one lock, short critical sections, no I/O under it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Generic, Protocol, TypeVar
+
+from sortedcontainers import SortedList
+
+
+class Sized(Protocol):
+    @property
+    def size(self) -> int: ...
+
+
+R = TypeVar("R", bound=Sized)
+
+
+class LRUIndex(Generic[R]):
+    def __init__(self, capacity: int) -> None:
+        if capacity < 0:
+            raise ValueError("capacity must be >= 0")
+        self.capacity = capacity
+        self.lock = threading.Lock()
+        self.records: OrderedDict[str, R] = OrderedDict()
+        self._sorted: SortedList = SortedList()
+        self.bytes = 0
+        self.reserved = 0
+        self.doomed = 0
+
+    # -- reading (no recency change unless asked) ----------------------------------------
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.records  # one atomic dict lookup: no lock needed
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def get(self, key: str) -> R | None:
+        return self.records.get(key)
+
+    def touch(self, key: str) -> bool:
+        """Mark ``key`` most recently used; False if absent."""
+        with self.lock:
+            if key not in self.records:
+                return False
+            self.records.move_to_end(key)
+            return True
+
+    def keys(self, prefix: str = "") -> list[str]:
+        with self.lock:
+            if not prefix:
+                return list(self._sorted)
+            out = []
+            for key in self._sorted.irange(minimum=prefix):
+                if not key.startswith(prefix):
+                    break
+                out.append(key)
+            return out
+
+    def lru_order(self) -> Iterator[tuple[str, R]]:
+        """A snapshot, least recently used first (for persisting the order)."""
+        with self.lock:
+            return iter(list(self.records.items()))
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def load(self, key: str, record: R) -> None:
+        """Add a record found at startup, as the most recently used (no capacity check:
+        call ``overflow()`` after loading)."""
+        with self.lock:
+            old = self.records.pop(key, None)
+            if old is not None:
+                self.bytes -= old.size
+                self._sorted.remove(key)
+            self._put_locked(key, record)
+
+    def reserve(self, size: int) -> list[tuple[str, R]] | None:
+        """Book ``size`` bytes, evicting LRU records into doomed bytes as needed.
+        Returns the victims (possibly empty), or None if even evicting everything cannot
+        make room now (the rest is reserved or doomed by writes in flight)."""
+        with self.lock:
+            if self.reserved + self.doomed + size > self.capacity:
+                return None
+            victims = []
+            while self.bytes + self.reserved + self.doomed + size > self.capacity:
+                victims.append(self._evict_locked())
+            self.reserved += size
+            return victims
+
+    def commit(self, key: str, record: R, reserved: int) -> R | None:
+        """Index a written object whose space was reserved; returns the record it replaced
+        (whose bytes the caller must remove from the backend unless it wrote in place)."""
+        with self.lock:
+            self.reserved -= reserved
+            old = self.records.pop(key, None)
+            if old is not None:
+                self.bytes -= old.size
+                self._sorted.remove(key)
+            self._put_locked(key, record)
+            return old
+
+    def cancel(self, reserved: int) -> None:
+        with self.lock:
+            self.reserved -= reserved
+
+    def remove(self, key: str, record: R | None = None, *, doom: bool = True) -> R | None:
+        """Drop ``key`` (only if its record is ``record``, when given). Its bytes become
+        doomed until ``forget`` (``doom=False``: they are already gone from the backend)."""
+        with self.lock:
+            current = self.records.get(key)
+            if current is None or (record is not None and current is not record):
+                return None
+            del self.records[key]
+            self._sorted.remove(key)
+            self.bytes -= current.size
+            if doom:
+                self.doomed += current.size
+            return current
+
+    def forget(self, size: int) -> None:
+        """Doomed bytes that are now really gone from the backend."""
+        with self.lock:
+            self.doomed -= size
+
+    def overflow(self) -> list[tuple[str, R]]:
+        """Evict LRU records until the index fits its capacity (after loading, or after
+        the capacity was lowered); the victims' bytes are doomed."""
+        with self.lock:
+            victims = []
+            while self.records and self.bytes + self.reserved + self.doomed > self.capacity:
+                victims.append(self._evict_locked())
+            return victims
+
+    def _put_locked(self, key: str, record: R) -> None:
+        self.records[key] = record
+        self._sorted.add(key)
+        self.bytes += record.size
+
+    def _evict_locked(self) -> tuple[str, R]:
+        key, record = self.records.popitem(last=False)
+        self._sorted.remove(key)
+        self.bytes -= record.size
+        self.doomed += record.size
+        return key, record

@@ -1,0 +1,149 @@
+"""``--tier`` specifications: one string per tier behind memory, parsed once at startup.
+
+Syntax: ``KIND:TARGET[?OPTION=VALUE&...]``, for example::
+
+    disk:/mnt/slow-ssd?capacity=2TiB&mode=demote&fsync=batch
+    nixl:/mnt/nvme/lms?backend=POSIX&capacity=500GiB
+    hf://buckets/my-org/kv-cache/prefix?capacity=10TiB
+
+The kind picks the tier class (``registry.py``); the target is kind-specific (a directory,
+a bucket handle: ``hf://buckets/...`` is kind ``hf`` with target ``//buckets/...``).
+Two options belong to the chain and are understood for every kind:
+
+* ``mode``: ``write-behind`` (every PUT is copied here, best effort) or ``demote`` (only
+  what the tier in front evicts lands here). Defaults per kind (``Tier`` classes say).
+* ``queue``: bytes of objects that may wait to be written to this tier (write-behind and
+  demotion together); past it a write is skipped and counted, never waited for.
+
+Every other option is the tier's own; a tier reads them with the typed getters below and
+``finish()`` rejects any it did not read, so a typo is a startup error, not a silent default.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+from dataclasses import dataclass, field
+from typing import Literal, TypeVar
+
+from ..sizes import parse_size
+from .base import ConfigError
+
+Mode = Literal["write-behind", "demote"]
+MODES: tuple[Mode, ...] = ("write-behind", "demote")
+DEFAULT_QUEUE_BYTES = 256 * 1024**2
+_S = TypeVar("_S", bound=str)
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    kind: str
+    target: str
+    options: tuple[tuple[str, str], ...] = ()
+    text: str = ""
+    _read: set[str] = field(default_factory=set, compare=False, repr=False)
+
+    @classmethod
+    def parse(cls, text: str) -> TierSpec:
+        kind, sep, rest = text.partition(":")
+        kind = kind.strip().lower()
+        if not sep or not kind.isidentifier():
+            raise ConfigError(f"tier {text!r}: expected KIND:TARGET[?OPTION=VALUE&...]")
+        target, _, query = rest.partition("?")
+        try:
+            pairs = urllib.parse.parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
+        except ValueError:
+            raise ConfigError(f"tier {text!r}: options must look like name=value&name=value") from None
+        names = [name for name, _ in pairs]
+        duplicated = sorted({n for n in names if names.count(n) > 1})
+        if duplicated:
+            raise ConfigError(f"tier {text!r}: option given twice: {', '.join(duplicated)}")
+        return cls(kind, target, tuple(pairs), text)
+
+    def __str__(self) -> str:
+        return self.text or f"{self.kind}:{self.target}"
+
+    # -- typed option getters (each marks its option as understood) ---------------------
+
+    def _raw(self, name: str) -> str | None:
+        self._read.add(name)
+        return dict(self.options).get(name)
+
+    def _fail(self, name: str, value: str, expected: str) -> ConfigError:
+        return ConfigError(f"tier {self}: option {name}={value!r}: expected {expected}")
+
+    def string(self, name: str, default: str) -> str:
+        value = self._raw(name)
+        return default if value is None else value
+
+    def size(self, name: str, default: int) -> int:
+        value = self._raw(name)
+        if value is None:
+            return default
+        try:
+            return parse_size(value)
+        except ValueError:
+            raise self._fail(name, value, "a size such as 64GiB") from None
+
+    def integer(self, name: str, default: int, *, minimum: int = 0) -> int:
+        value = self._raw(name)
+        if value is None:
+            return default
+        try:
+            number = int(value)
+        except ValueError:
+            raise self._fail(name, value, "an integer") from None
+        if number < minimum:
+            raise self._fail(name, value, f"an integer >= {minimum}")
+        return number
+
+    def seconds(self, name: str, default: float, *, minimum: float = 0.0) -> float:
+        value = self._raw(name)
+        if value is None:
+            return default
+        try:
+            number = float(value)
+        except ValueError:
+            raise self._fail(name, value, "a number of seconds") from None
+        if not number >= minimum:  # also rejects NaN
+            raise self._fail(name, value, f"a number of seconds >= {minimum}")
+        return number
+
+    def flag(self, name: str, default: bool) -> bool:
+        value = self._raw(name)
+        if value is None:
+            return default
+        if value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if value.lower() in ("0", "false", "no", "off"):
+            return False
+        raise self._fail(name, value, "true or false")
+
+    def choice(self, name: str, choices: tuple[_S, ...], default: _S) -> _S:
+        value = self._raw(name)
+        if value is None:
+            return default
+        for candidate in choices:
+            if value.lower() == candidate.lower():
+                return candidate
+        raise self._fail(name, value, "one of " + ", ".join(choices))
+
+    def finish(self) -> None:
+        """Reject options nobody read (typos), once the tier has read its own."""
+        unknown = sorted(name for name, _ in self.options if name not in self._read)
+        if unknown:
+            raise ConfigError(f"tier {self}: unknown option(s): {', '.join(unknown)}")
+
+
+@dataclass(frozen=True)
+class ChainOptions:
+    """What the Store needs to know about one tier, read from its spec."""
+
+    mode: Mode
+    queue_bytes: int
+
+
+def chain_options(spec: TierSpec, default_mode: Mode) -> ChainOptions:
+    return ChainOptions(
+        mode=spec.choice("mode", MODES, default_mode),
+        queue_bytes=spec.size("queue", DEFAULT_QUEUE_BYTES),
+    )
