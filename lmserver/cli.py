@@ -127,8 +127,19 @@ def main() -> None:
     default="256MiB",
     envvar=_env("WRITE_BEHIND_LIMIT"),
     show_envvar=True,
-    help="With --disk: bytes of fire-and-forget PUTs held in memory while their disk writes are "
-    "pending; past it, connections stop reading PUTs until the disk catches up.",
+    help="With --disk: bytes of objects queued for disk writes (write-behind and demotion); past "
+    "it a write is skipped and counted, never waited for (PUT_ACK writes are never skipped).",
+)
+@click.option(
+    "--tier",
+    "tiers",
+    multiple=True,
+    metavar="KIND:TARGET[?OPT=VAL&...]",
+    envvar=_env("TIER"),
+    show_envvar=True,
+    help="A tier behind memory (and behind --disk); repeat for more, in order. Kinds: disk, nixl, hf. "
+    "Every kind takes mode=write-behind|demote and queue=SIZE; e.g. "
+    "'disk:/mnt/hdd?capacity=2TiB&mode=demote'. The env var takes specs separated by spaces.",
 )
 @click.option(
     "--memory-wait",

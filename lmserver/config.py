@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from .tiers.spec import TierSpec
+
 DEFAULT_PORT = 65432
 DEFAULT_MAX_OBJECT_SIZE = 512 * 1024**2
 DEFAULT_DISK_LIMIT = 64 * 1024**3
@@ -38,9 +40,11 @@ class ServerConfig:
     disk: Path | None = None
     disk_limit: int = DEFAULT_DISK_LIMIT
     fsync: Literal["always", "batch", "never"] = "never"
-    # Bytes of fire-and-forget PUTs accepted into memory but not yet written to the
-    # lower tiers; past it, connections stop reading PUTs until the backlog drains.
+    # Bytes of objects queued for the disk tier's writes (write-behind and demotion); past
+    # it a write is skipped and counted, never waited for.
     write_behind_limit: int = 256 * 1024**2
+    # Tiers behind memory (and behind --disk), in order: KIND:TARGET?OPTION=VALUE&...
+    tiers: tuple[str, ...] = ()
     # Connections and requests
     max_connections: int = 4096
     max_list_keys: int = 1_000_000
@@ -60,5 +64,7 @@ class ServerConfig:
             raise ValueError("max object size must fit the protocol's int32 length (< 2 GiB)")
         if self.max_object_size > self.memory_limit:
             object.__setattr__(self, "max_object_size", self.memory_limit)
+        for text in self.tiers:
+            TierSpec.parse(text)  # syntax only; the kind's own options are checked at startup
         if self.max_connections < 1:
             raise ValueError("max connections must be at least 1")

@@ -413,9 +413,6 @@ class LMProtocol(asyncio.BufferedProtocol):
                 counter="refused_too_large",
             )
             return
-        if self.store.write_backlog_full:
-            self._await(self.store.wait_write_backlog(), lambda _: self._begin_put(req))
-            return
         entry = self.store.reserve(req.length)
         if entry is None:
             self._await(
@@ -435,7 +432,7 @@ class LMProtocol(asyncio.BufferedProtocol):
     def _finish_put(self, req: Request, entry: Entry) -> None:
         self.body_entry = None
         meta = req.meta if req.generation == Generation.V1 else NO_META
-        persisted = self.store.commit(req.key, entry, meta)
+        persisted = self.store.commit(req.key, entry, meta, acknowledged=req.command == Command.PUT_ACK)
         self.counters["puts"] += 1
         if req.command != Command.PUT_ACK:
             return

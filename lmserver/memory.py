@@ -28,12 +28,13 @@ from sortedcontainers import SortedSet
 from lmproto import NO_META, ObjectMeta
 
 from .pool import BufferPool
+from .tiers.base import Victim
 
 
 class Entry:
     """One object (or one reservation, before ``commit``) and its buffer."""
 
-    __slots__ = ("buffer", "key", "length", "live", "meta", "pins", "tick")
+    __slots__ = ("buffer", "key", "length", "lent", "live", "meta", "pins", "tick")
 
     def __init__(self, buffer: bytearray, length: int) -> None:
         self.buffer = buffer
@@ -42,12 +43,34 @@ class Entry:
         self.meta: ObjectMeta = NO_META
         self.pins = 1  # the creator's pin: a reservation is pinned by its writer
         self.live = False  # reachable through the index
+        self.lent = False  # evicted and being demoted: its buffer is in the pool's lent share
         self.tick = 0
 
     @property
     def view(self) -> memoryview:
         """The object's bytes (a view; no copy)."""
         return memoryview(self.buffer)[: self.length]
+
+
+class MemoryVictim(Victim):
+    """An evicted entry kept pinned while the Store demotes it to the first tier: its
+    buffer is not reused (nor counted free) until ``release``."""
+
+    __slots__ = ("entry", "memory")
+
+    def __init__(self, memory: MemoryTier, entry: Entry) -> None:
+        super().__init__(entry.key, entry.length, entry.meta)
+        self.memory = memory
+        self.entry: Entry | None = entry
+
+    def open(self) -> memoryview:
+        assert self.entry is not None, "victim used after release"
+        return self.entry.view
+
+    def release(self) -> None:
+        entry, self.entry = self.entry, None
+        if entry is not None:
+            self.memory.unpin(entry)
 
 
 @dataclass
@@ -57,6 +80,7 @@ class MemoryCounters:
     evictions: int = 0
     evicted_bytes: int = 0
     refusals: int = 0
+    demotions_dropped: int = 0  # evicted while the share for objects being demoted was full
 
 
 class _Shard:
@@ -81,6 +105,8 @@ class MemoryTier:
         self._keys_lock = threading.Lock()
         self._bytes = 0
         self.on_space_freed: Callable[[], None] | None = None
+        # Takes evicted objects for demotion (the Store sets it when tiers stand behind).
+        self.on_evict: Callable[[MemoryVictim], None] | None = None
 
     @property
     def capacity(self) -> int:
@@ -177,7 +203,7 @@ class MemoryTier:
             if release:
                 entry.buffer = None  # type: ignore[assignment]
         if release:
-            self.pool.release(buf)
+            self.pool.release(buf, lent=entry.lent)
             if self.on_space_freed is not None:
                 self.on_space_freed()
 
@@ -190,11 +216,15 @@ class MemoryTier:
             if entry is None:
                 return False
             entry.live = False
+        self._unlinked(entry)
+        return True
+
+    def _unlinked(self, entry: Entry) -> None:
+        """Account for an entry just removed from its shard, and free it unless pinned."""
         with self._keys_lock:
-            self._keys.discard(key)
+            self._keys.discard(entry.key)
             self._bytes -= entry.length
         self._drop_pin_if_dead(entry, unpin=False)
-        return True
 
     def _evict_one(self) -> bool:
         """Unlink the least recently used object that nobody is using; False if none.
@@ -210,9 +240,26 @@ class MemoryTier:
                 victim = head
         if victim is None:
             return False
-        if victim.pins == 0 and self.delete(victim.key):
-            self.counters.evictions += 1
-            self.counters.evicted_bytes += victim.length
+        shard = self._shard(victim.key)
+        with shard.lock:
+            if victim.pins or shard.entries.get(victim.key) is not victim:
+                return True  # used or replaced meanwhile: look again
+            # Demote it if a taker exists and the lent share has room: then its buffer stays
+            # (pinned, lent) until written, yet frees room for the reservation at once.
+            hook = self.on_evict
+            if hook is not None and not self.pool.lend(victim.buffer):
+                hook = None
+                self.counters.demotions_dropped += 1
+            if hook is not None:
+                victim.lent = True
+                victim.pins += 1  # the demotion's pin, handed to the hook
+            del shard.entries[victim.key]
+            victim.live = False
+        self._unlinked(victim)
+        self.counters.evictions += 1
+        self.counters.evicted_bytes += victim.length
+        if hook is not None:
+            hook(MemoryVictim(self, victim))
         return True
 
     # -- listing and accounting ---------------------------------------------------------
@@ -242,6 +289,7 @@ class MemoryTier:
             "capacity": self.capacity,
             "reserved_bytes": self.pool.in_use,
             "idle_pool_bytes": self.pool.idle,
+            "demoting_bytes": self.pool.lent,
             "pool_fresh_allocations": self.pool.fresh_allocations,
             "pool_reuses": self.pool.reuses,
             "hits": c.hits,
@@ -249,4 +297,5 @@ class MemoryTier:
             "evictions": c.evictions,
             "evicted_bytes": c.evicted_bytes,
             "refusals": c.refusals,
+            "demotions_dropped": c.demotions_dropped,
         }

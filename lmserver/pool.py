@@ -36,6 +36,11 @@ class BufferPool:
         self._in_use = 0  # class bytes handed out and not yet released
         self._idle = 0  # class bytes sitting on free lists
         self._idle_low = 0  # the fewest idle bytes since the last trim_unused()
+        # Buffers of evicted objects still being demoted to the next tier are *lent*: they no
+        # longer count as in use (so eviction frees room at once) but come out of a share of
+        # the capacity set aside for them, so the total never exceeds the capacity.
+        self.lend_limit = 0
+        self._lent = 0
         self.fresh_allocations = 0
         self.reuses = 0
 
@@ -47,10 +52,30 @@ class BufferPool:
     def idle(self) -> int:
         return self._idle
 
+    @property
+    def lent(self) -> int:
+        return self._lent
+
+    def set_lend_limit(self, limit: int) -> None:
+        with self._lock:
+            self.lend_limit = limit
+
+    def lend(self, buf: bytearray) -> bool:
+        """Move an in-use buffer to the lent share, if it has room."""
+        cls = len(buf)
+        with self._lock:
+            if self._lent + cls > self.lend_limit:
+                return False
+            self._in_use -= cls
+            self._lent += cls
+            return True
+
     def acquire(self, length: int) -> bytearray | None:
         """A buffer of at least ``length`` bytes, or None when the budget is spent."""
         cls = size_class(length)
         with self._lock:
+            if self._in_use + cls > self.capacity - self.lend_limit:
+                return None
             free = self._free.get(cls)
             if free:
                 self._idle -= cls
@@ -58,21 +83,22 @@ class BufferPool:
                 self._idle_low = min(self._idle_low, self._idle)
                 self.reuses += 1
                 return free.pop()
-            if self._in_use + cls > self.capacity:
-                return None
-            self._trim_locked(self.capacity - self._in_use - cls)
+            self._trim_locked(self.capacity - self._in_use - self._lent - cls)
             self._idle_low = min(self._idle_low, self._idle)
             self._in_use += cls
             self.fresh_allocations += 1
         # Allocate outside the lock: a large bytearray is a page-faulting memset.
         return bytearray(cls)
 
-    def release(self, buf: bytearray) -> None:
-        """Return a buffer; it must no longer be referenced by anyone."""
+    def release(self, buf: bytearray, *, lent: bool = False) -> None:
+        """Return a buffer (in use, or ``lent``); it must no longer be referenced by anyone."""
         cls = len(buf)
         with self._lock:
             # Its bytes were counted against capacity when acquired: keeping it idle fits.
-            self._in_use -= cls
+            if lent:
+                self._lent -= cls
+            else:
+                self._in_use -= cls
             self._free.setdefault(cls, []).append(buf)
             self._idle += cls
 

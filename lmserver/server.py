@@ -25,18 +25,25 @@ from .sizes import format_size
 from .state import ServerState
 from .stats import log_periodically, trim_idle_memory
 from .store import Store
-from .tiers.base import Tier
+from .tiers.base import ConfigError, Tier
+from .tiers.spec import ChainOptions, TierSpec
 
 log = structlog.get_logger("lmserver.server")
 
 
-def build_tiers(config: ServerConfig) -> list[Tier]:
-    """The tiers behind memory, in order, from the configuration."""
-    tiers: list[Tier] = []
+def build_tiers(config: ServerConfig) -> list[tuple[Tier, ChainOptions]]:
+    """The tiers behind memory, in order: ``--disk`` first, then each ``--tier``.
+    Raises ConfigError (a startup error) for a bad spec or a missing backend."""
+    from .tiers import registry
+
+    tiers: list[tuple[Tier, ChainOptions]] = []
     if config.disk is not None:
         from .tiers.disk import DiskTier
 
-        tiers.append(DiskTier(config.disk, capacity=config.disk_limit, fsync=config.fsync))
+        disk = DiskTier(config.disk, capacity=config.disk_limit, fsync=config.fsync)
+        tiers.append((disk, ChainOptions(mode=disk.default_mode, queue_bytes=config.write_behind_limit)))
+    for text in config.tiers:
+        tiers.append(registry.build(TierSpec.parse(text)))
     return tiers
 
 
@@ -46,7 +53,6 @@ class Server:
         store = Store(
             MemoryTier(config.memory_limit),
             build_tiers(config),
-            write_behind_limit=config.write_behind_limit,
             memory_wait=config.put_wait_timeout,
         )
         self.state = ServerState(config=config, store=store)
@@ -145,8 +151,12 @@ def new_event_loop(kind: str) -> asyncio.AbstractEventLoop:
 def run(config: ServerConfig) -> int:
     """Run a server in this thread until SIGTERM/SIGINT; returns the exit status."""
     configure_logging(config.log_level, config.log_format)
+    try:
+        server = Server(config)
+    except ConfigError as exc:  # a bad --tier or a missing backend package
+        log.error("cannot start", error=str(exc))
+        return 2
     loop = new_event_loop(config.loop)
-    server = Server(config)
     signals = 0
 
     def on_signal(signum: int) -> None:

@@ -1,28 +1,39 @@
-"""The Store: the one facade a connection talks to, over the memory tier and the tiers
-behind it.
+"""The Store: the one facade a connection talks to, over memory and the chain of tiers
+behind it (memory -> disk -> remote tiers, in the operator's order).
 
 Strategy:
 
-* PUT lands in memory (the connection receives the body straight into a reserved entry).
-  With lower tiers the object is also written to the first of them **write-behind**: the
-  entry stays pinned until the write finishes, so memory eviction never loses it, and at
-  most ``write_behind_limit`` bytes may be waiting (connections hold further PUTs back
-  until the backlog drains). PUT_ACK waits for that write, so its answer means "on disk,
-  durable per --fsync".
-* Writes of one key to the lower tier are chained, so an older version can never land
-  after a newer one. DELETE and GET wait for a pending write of their key first.
-* GET serves memory hits synchronously. A miss that a lower tier holds is read straight
-  into a memory reservation and promoted (unless a newer PUT or a DELETE happened
-  meanwhile: then the read is served but not promoted).
-* EXIST, EXIST_MANY and LIST answer from in-memory indexes of every tier; they never do I/O.
+* **PUT** lands in memory (the connection receives the body straight into a reserved
+  entry). Copies go down the chain without anyone waiting: each ``write-behind`` tier gets
+  the object if its queue has room (``chain.Link.admit``), else the write is skipped and
+  counted; a tier that does not get the new version drops its older copy (a *discard*
+  job), so no tier can ever serve a superseded object. Only PUT_ACK waits, for the first
+  tier's write ("stored in the first durable tier"), and the connection holds just that
+  reply, not the pipeline.
+* **Demotion**: a tier that evicts an object hands it off (``Tier.hand_off``); the Store
+  writes it to the next tier unless that tier already holds it, a newer version is in
+  flight, or the next tier's queue is full (then it is dropped and counted). Eviction
+  never waits: the write is a queued job; the victim (a pinned memory entry, or a file
+  moved aside) stays readable by GETs until the job is done.
+* **GET** serves memory hits synchronously. Otherwise it reads from the first place that
+  holds the key (a victim in flight, then the tiers in order) straight into a memory
+  reservation, and promotes it, unless a newer PUT or a DELETE happened meanwhile.
+* **EXIST, EXIST_MANY, LIST** answer from in-memory indexes of every tier; never I/O.
+* **DELETE** drops the memory copy at once and queues a delete on every tier that holds
+  (or is about to hold) the key, behind that key's earlier jobs; it answers when they ran.
+* Budgets: memory pinned by queued write-behinds is at most a quarter of the memory limit,
+  so a slow tier can never starve PUTs of memory; evicted objects waiting for demotion
+  live in an eighth set aside for them (``BufferPool.lend``), so eviction frees room at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import heapq
 import itertools
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -31,47 +42,68 @@ import structlog
 
 from lmproto import ObjectMeta
 
+from .chain import Link
 from .logs import ThrottledWarnings
-from .memory import Entry, MemoryTier
-from .tiers.base import NoSpace, Tier
+from .memory import Entry, MemoryTier, MemoryVictim
+from .tiers.base import NoSpace, Tier, TierError, Victim
+from .tiers.spec import ChainOptions
+from .tiers.threaded import Workers
 
 log = structlog.get_logger("lmserver.store")
 throttled = ThrottledWarnings(log)
+
+PINNED_SHARE = 4
+"""Write-behinds may pin at most 1/PINNED_SHARE of memory: the rest stays free for PUTs."""
+LENT_SHARE = 8
+"""With tiers behind memory, 1/LENT_SHARE of it holds evicted objects until they are demoted."""
 
 
 class Store:
     def __init__(
         self,
         memory: MemoryTier,
-        lower: Iterable[Tier] = (),
+        tiers: Iterable[tuple[Tier, ChainOptions]] = (),
         *,
-        write_behind_limit: int,
         memory_wait: float = 5.0,
     ) -> None:
         self.memory = memory
-        self.lower: list[Tier] = list(lower)
-        self.write_behind_limit = write_behind_limit
+        self.links = [Link(tier, options, i) for i, (tier, options) in enumerate(tiers, 1)]
         self.memory_wait = memory_wait  # how long a reservation may wait for pinned memory
-        self._pending: dict[str, asyncio.Future[bool]] = {}
-        self._pending_bytes = 0
-        self._tasks: set[asyncio.Task[None]] = set()
+        self.pin_budget = memory.capacity // PINNED_SHARE
+        self.pinned_bytes = 0  # memory pinned by queued writes
+        self._victims: dict[str, Victim] = {}  # evicted objects held while being demoted
         self._delete_epoch = 0
         self._space_waiters: list[asyncio.Future[None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.counters = {"lower_hits": 0, "lower_hits_dropped": 0, "lower_write_failures": 0, "promotions": 0}
+        self._loop_thread = 0
+        self._io: Workers | None = None  # reads and releases of victims from lower tiers
+        self.counters = {"lower_hits_dropped": 0}
+        _name_uniquely(self.links)
 
     async def open(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         self.memory.on_space_freed = self._space_freed
-        for tier in self.lower:
-            await tier.open()
+        for link in self.links:
+            await link.tier.open()
+        if self.links:
+            self._io = Workers(2, "victims")
+            self.memory.on_evict = self._memory_evicted
+            self.memory.pool.set_lend_limit(self.memory.capacity // LENT_SHARE)
+            for link, following in zip(self.links, self.links[1:], strict=False):
+                link.tier.on_evict = self._evicted_hook(following)
 
     async def close(self) -> None:
-        """Finish pending lower-tier writes, then close every tier."""
-        if self._pending:
-            await asyncio.gather(*self._pending.values(), return_exceptions=True)
-        for tier in self.lower:
-            await tier.close()
+        """Finish queued writes, then close every tier."""
+        self.memory.on_evict = None
+        for link in self.links:
+            link.tier.on_evict = None
+        for link in self.links:
+            await link.drain()
+        for link in self.links:
+            await link.tier.close()
+        if self._io is not None:
+            self._io.shutdown()
         self.memory.on_space_freed = None
 
     # -- PUT ----------------------------------------------------------------------------
@@ -100,58 +132,54 @@ class Store:
             await asyncio.wait_for(waiter, min(remaining, 0.05))
         return True
 
-    @property
-    def write_backlog_full(self) -> bool:
-        return bool(self.lower) and self._pending_bytes >= self.write_behind_limit
-
-    async def wait_write_backlog(self) -> None:
-        while self.write_backlog_full:
-            await asyncio.wait([*self._pending.values()], return_when=asyncio.FIRST_COMPLETED)
-
-    def commit(self, key: str, entry: Entry, meta: ObjectMeta) -> asyncio.Future[bool] | None:
-        """Publish a received object. Returns None when memory is the only tier, else a
-        future that resolves to True once the first lower tier holds it."""
-        if not self.lower:
+    def commit(
+        self, key: str, entry: Entry, meta: ObjectMeta, *, acknowledged: bool = False
+    ) -> asyncio.Future[bool] | None:
+        """Publish a received object and queue its copies down the chain. Returns, for an
+        acknowledged PUT with tiers behind memory, a future resolving to True once the
+        first tier holds it; else None."""
+        if not self.links:
             self.memory.commit(key, entry, meta)
             return None
-        return self._commit_write_behind(key, entry, meta)
-
-    def _commit_write_behind(self, key: str, entry: Entry, meta: ObjectMeta) -> asyncio.Future[bool]:
-        self.memory.pin(entry)  # the write-behind's pin, dropped when the write ends
+        self.memory.pin(entry)  # held across the commit; dropped below or by the writes
         self.memory.commit(key, entry, meta)
-        previous = self._pending.get(key)
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[bool] = loop.create_future()
-        self._pending[key] = done
-        self._pending_bytes += entry.length
-        task = loop.create_task(self._write_behind(key, entry, meta, previous, done))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return done
+        ack: asyncio.Future[bool] | None = None
+        for link in self.links:
+            must = acknowledged and ack is None
+            if (must or link.write_behind) and self._admit(link, entry.length, force=must):
+                self.memory.pin(entry)
+                done = link.enqueue(key, functools.partial(self._write, link, key, entry, meta, must))
+                if must:
+                    ack = done
+                continue
+            if link.write_behind:
+                link.counters["skipped_writes"] += 1
+                throttled.warning("tier queue full: write skipped", tier=link.name, queue=link.queue_limit)
+            if link.busy(key) or link.tier.contains(key):
+                link.counters["discards"] += 1
+                link.enqueue(key, functools.partial(link.tier.delete, key))
+        self.memory.unpin(entry)
+        return ack
 
-    async def _write_behind(
-        self,
-        key: str,
-        entry: Entry,
-        meta: ObjectMeta,
-        previous: asyncio.Future[bool] | None,
-        done: asyncio.Future[bool],
-    ) -> None:
-        ok = False
+    def _admit(self, link: Link, length: int, *, force: bool) -> bool:
+        if not force and self.pinned_bytes + length > self.pin_budget:
+            return False
+        if not link.admit(length, force=force):
+            return False
+        self.pinned_bytes += length
+        return True
+
+    async def _write(self, link: Link, key: str, entry: Entry, meta: ObjectMeta, acknowledged: bool) -> bool:
         try:
-            if previous is not None:
-                await asyncio.wait([previous])
-            ok = await self.lower[0].put(key, entry.view, meta)
-        except Exception:
-            log.exception("lower tier write failed", tier=self.lower[0].name)
+            if not entry.live and not acknowledged:
+                return False  # superseded or deleted: the job queued after this one wins
+            ok = await link.tier.put(key, entry.view, meta)
+            link.counters["writes" if ok else "write_failures"] += 1
+            return ok
         finally:
-            if not ok:
-                self.counters["lower_write_failures"] += 1
-            self._pending_bytes -= entry.length
-            if self._pending.get(key) is done:
-                del self._pending[key]
+            link.done_with(entry.length)
+            self.pinned_bytes -= entry.length
             self.memory.unpin(entry)
-            done.set_result(ok)
 
     def abort(self, entry: Entry) -> None:
         self.memory.abort(entry)
@@ -167,30 +195,108 @@ class Store:
             if not waiter.done():
                 waiter.set_result(None)
 
+    # -- demotion -------------------------------------------------------------------------
+
+    def _memory_evicted(self, victim: MemoryVictim) -> None:
+        """Memory evicted ``victim`` (synchronously, inside a reservation): take it for the
+        first tier or let it go at once, so the reservation can use its buffer."""
+        if threading.get_ident() != self._loop_thread:
+            victim.release()  # not on the loop: cannot queue safely; memory must free now
+            return
+        self._offer(self.links[0], victim, from_memory=True)
+
+    def _evicted_hook(self, following: Link) -> Callable[[Victim], None]:
+        def evicted(victim: Victim) -> None:
+            # Called from the evicting tier's worker thread.
+            loop = self._loop
+            if loop is None or loop.is_closed():
+                victim.release()
+                return
+            try:
+                loop.call_soon_threadsafe(self._offer, following, victim, False)
+            except RuntimeError:  # loop closed meanwhile
+                victim.release()
+
+        return evicted
+
+    def _offer(self, link: Link, victim: Victim, from_memory: bool) -> None:
+        key = victim.key
+        if any(below.readable(key) for below in self.links[link.position - 1 :]):
+            # Already there or further down (every tier holds the current version or
+            # nothing): copying it back up would only evict something else.
+            self._drop(victim)
+            return
+        newer = self.memory.contains(key) or key in self._victims
+        if not from_memory:
+            newer = newer or any(other.busy(key) for other in self.links)
+        if newer or not self._admit_victim(link, victim, from_memory):
+            link.counters["demotions_skipped"] += 1
+            self._drop(victim)
+            return
+        self._victims[key] = victim
+        link.enqueue(key, functools.partial(self._demote, link, victim, from_memory))
+
+    def _admit_victim(self, link: Link, victim: Victim, from_memory: bool) -> bool:
+        # A memory victim's buffer is already in the memory pool's lent share (memory.py).
+        return link.admit(victim.length)
+
+    async def _demote(self, link: Link, victim: Victim, from_memory: bool) -> bool:
+        key = victim.key
+        try:
+            if self.memory.contains(key):
+                link.counters["demotions_skipped"] += 1  # a newer PUT (its own jobs follow)
+                return False
+            if from_memory:
+                data = victim.open()
+            else:
+                assert self._io is not None
+                data = await self._io.run(victim.open)
+            ok = await link.tier.put(key, data, victim.meta)
+            del data
+            link.counters["demotions" if ok else "write_failures"] += 1
+            return ok
+        finally:
+            if self._victims.get(key) is victim:
+                del self._victims[key]
+            link.done_with(victim.length)
+            self._drop(victim)
+
+    def _drop(self, victim: Victim) -> None:
+        if isinstance(victim, MemoryVictim) or self._io is None:
+            victim.release()  # an unpin: cheap, and the memory is wanted now
+        else:
+            with contextlib.suppress(TierError):
+                self._io.submit(victim.release)  # file I/O: off the loop
+
     # -- GET ----------------------------------------------------------------------------
 
     def get(self, key: str) -> Entry | None:
         """A pinned memory hit (the caller unpins once sent), else None."""
         entry = self.memory.get(key)
         if entry is not None:
-            for tier in self.lower:
-                tier.touch(key)
+            for link in self.links:
+                link.tier.touch(key)
         return entry
 
     def in_lower(self, key: str) -> bool:
-        return key in self._pending or any(tier.contains(key) for tier in self.lower)
+        return key in self._victims or any(link.readable(key) for link in self.links)
 
     async def fetch(self, key: str) -> Entry | None:
-        """Read ``key`` from the lower tiers into a pinned memory entry (promoting it)."""
-        pending = self._pending.get(key)
-        if pending is not None:
-            await asyncio.wait([pending])
-            hit = self.memory.get(key)
-            if hit is not None:
-                return hit
+        """Read ``key`` from behind memory into a pinned memory entry (promoting it)."""
         epoch = self._delete_epoch
-        for tier in self.lower:
-            if not tier.contains(key):
+        victim = self._victims.get(key)
+        if isinstance(victim, MemoryVictim):
+            # Still in memory, pinned by its demotion: serve that buffer as it is.
+            entry = victim.entry
+            if entry is not None:
+                self.memory.pin(entry)
+                return entry
+        elif victim is not None:
+            entry = await self._fetch_victim(victim)
+            if entry is not None:
+                return self._promote(key, entry, victim.meta, epoch)
+        for link in self.links:
+            if not link.readable(key):
                 continue
             reserved: list[Entry] = []
 
@@ -201,24 +307,41 @@ class Store:
                 reserved.append(entry)
                 return memoryview(entry.buffer)[:length]
 
-            meta = await self._read_waiting_for_memory(tier, key, alloc)
+            meta = await self._read_waiting_for_memory(link.tier, key, alloc)
             if meta is None:
                 for entry in reserved:
                     self.memory.abort(entry)
                 continue
-            entry = reserved[-1]
-            self.counters["lower_hits"] += 1
-            if epoch == self._delete_epoch and not self.memory.contains(key):
-                self.memory.pin(entry)  # the reader's pin survives the commit
-                if self.memory.commit_if_absent(key, entry, meta):
-                    self.counters["promotions"] += 1
-                    return entry
-                self.memory.abort(entry)
-                return self.memory.get(key)
-            # Not promoted: hand out the private entry; the caller's unpin frees it.
-            entry.meta = meta
-            return entry
+            for extra in reserved[:-1]:  # a retried read: only the last buffer holds it
+                self.memory.abort(extra)
+            link.counters["promotions"] += 1
+            return self._promote(key, reserved[-1], meta, epoch)
         return None
+
+    async def _fetch_victim(self, victim: Victim) -> Entry | None:
+        entry = self.memory.reserve(victim.length)
+        if entry is None:
+            return None
+        assert self._io is not None
+        try:
+            await self._io.run(_copy_from, victim, memoryview(entry.buffer)[: victim.length])
+        except TierError:
+            self.memory.abort(entry)
+            return None
+        return entry
+
+    def _promote(self, key: str, entry: Entry, meta: ObjectMeta, epoch: int) -> Entry | None:
+        """Publish a pinned reservation read from behind memory, unless a DELETE or a newer
+        PUT happened meanwhile; returns what the GET should send (pinned)."""
+        if epoch == self._delete_epoch and not self.memory.contains(key):
+            self.memory.pin(entry)  # the reader's pin survives the commit
+            if self.memory.commit_if_absent(key, entry, meta):
+                return entry
+            self.memory.abort(entry)
+            return self.memory.get(key)
+        # Not promoted: hand out the private entry; the caller's unpin frees it.
+        entry.meta = meta
+        return entry
 
     async def _read_waiting_for_memory(
         self, tier: Tier, key: str, alloc: Callable[[int], memoryview]
@@ -240,33 +363,63 @@ class Store:
     # -- EXIST, DELETE, LIST --------------------------------------------------------------
 
     def contains(self, key: str) -> bool:
-        return self.memory.contains(key) or (bool(self.lower) and self.in_lower(key))
+        return self.memory.contains(key) or (bool(self.links) and self.in_lower(key))
 
     async def delete(self, key: str) -> bool:
         self._delete_epoch += 1
-        pending = self._pending.get(key)
-        if pending is not None:
-            await asyncio.wait([pending])
-        found = self.memory.delete(key)
-        for tier in self.lower:
-            found = await tier.delete(key) or found
+        found = self.memory.delete(key) or key in self._victims
+        deletes = []
+        for link in self.links:
+            if link.busy(key) or link.tier.contains(key):
+                deletes.append(link.enqueue(key, functools.partial(link.tier.delete, key)))
+        if deletes:
+            found = any(await asyncio.gather(*deletes)) or found
         return found
 
     def keys(self, prefix: str = "", limit: int | None = None) -> list[str]:
         """Sorted, de-duplicated keys of every tier starting with ``prefix``."""
         sources: list[Iterable[str]] = [self.memory.keys(prefix)]
-        sources += [tier.keys(prefix) for tier in self.lower]
+        sources.append(sorted(k for k in list(self._victims) if k.startswith(prefix)))
+        sources += [link.tier.keys(prefix) for link in self.links]
         return list(itertools.islice(_unique(heapq.merge(*sources)), limit))
+
+    # -- reporting ------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
         tiers: dict[str, Any] = {"memory": self.memory.usage()}
-        for tier in self.lower:
-            tiers[tier.name] = tier.usage().as_dict()
+        for link in self.links:
+            tiers[link.name] = link.stats()
         return {
             "tiers": tiers,
-            "write_behind": {"pending_objects": len(self._pending), "pending_bytes": self._pending_bytes},
+            "chain": {
+                "pinned_bytes": self.pinned_bytes,
+                "pin_budget": self.pin_budget,
+                "victims_in_flight": len(self._victims),
+            },
             **self.counters,
         }
+
+    def activity(self) -> dict[str, int]:
+        """Counters worth a line in the periodic activity log, flat, per tier."""
+        watched = ("skipped_writes", "demotions", "demotions_skipped", "write_failures")
+        return {f"{link.name}_{name}": link.counters[name] for link in self.links for name in watched}
+
+
+def _copy_from(victim: Victim, target: memoryview) -> None:
+    source = victim.open()
+    try:
+        target[:] = source
+    finally:
+        source.release()
+
+
+def _name_uniquely(links: list[Link]) -> None:
+    seen: dict[str, int] = {}
+    for link in links:
+        base = link.tier.name
+        seen[base] = seen.get(base, 0) + 1
+        if seen[base] > 1:
+            link.tier.name = f"{base}{seen[base]}"
 
 
 def _unique(keys: Iterator[str]) -> Iterator[str]:

@@ -53,6 +53,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import fcntl
+import mmap
 import os
 import sqlite3
 import threading
@@ -61,7 +62,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, TypeVar
+from typing import Any, Literal, NamedTuple
 
 import structlog
 from sortedcontainers import SortedList
@@ -70,20 +71,24 @@ from lmproto import ObjectMeta
 
 from ..logs import ThrottledWarnings
 from . import _diskfile, _diskindex
-from .base import Alloc, Tier, TierUsage
+from .base import Alloc, ConfigError, Tier, TierError, TierUsage, Victim
+from .spec import Mode, TierSpec
+from .threaded import uncancellable
 
 log = structlog.get_logger(__name__)
 
 FsyncPolicy = Literal["always", "batch", "never"]
 FSYNC_POLICIES: tuple[FsyncPolicy, ...] = ("always", "batch", "never")
 DEFAULT_FSYNC: FsyncPolicy = "never"
+DEFAULT_CAPACITY = 64 * 1024**3
+HELD_SHARE = 8
+"""Evicted files waiting for demotion may hold at most 1/HELD_SHARE of the capacity."""
 
 _STRIPES = 64
 _TOUCH_BATCH = 4096
 _PROGRESS_EVERY = 10_000
 _REBUILD_CHUNK = 256
 _WARN_INTERVAL_S = 10.0
-_T = TypeVar("_T")
 
 
 class _Entry(NamedTuple):
@@ -148,23 +153,6 @@ def _fsync_quietly(path: str) -> OSError | None:
     return None
 
 
-async def _uncancellable(fut: asyncio.Future[_T]) -> _T:
-    """Await a worker's result; if cancelled meanwhile, still wait for the worker to finish
-    (it may be reading or writing the caller's buffer), then re-raise the cancellation."""
-    cancelled = False
-    while True:
-        try:
-            result = await asyncio.shield(fut)
-            break
-        except asyncio.CancelledError:
-            if fut.done():
-                raise
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
-    return result
-
-
 class DiskTier(Tier):
     """A capacity-bounded LRU object store on a local filesystem. See the module docstring.
 
@@ -172,7 +160,25 @@ class DiskTier(Tier):
     from any thread or event loop, then ``await tier.close()``. ``put`` reads ``data`` until
     it returns; ``get_into`` calls ``alloc`` on the calling thread (before any I/O) and
     writes into the buffer until it returns; neither returns early, even when cancelled.
+
+    Evicted files are moved aside (``<root>/evicted/``) and handed off for demotion when a
+    tier stands behind this one; they count against capacity until released.
     """
+
+    default_mode: Mode = "write-behind"
+
+    @classmethod
+    def from_spec(cls, spec: TierSpec) -> DiskTier:
+        """``disk:PATH?capacity=64GiB&fsync=never&workers=4``."""
+        if not spec.target:
+            raise ConfigError(f"tier {spec}: a disk tier needs a directory (disk:/path)")
+        return cls(
+            spec.target,
+            capacity=spec.size("capacity", DEFAULT_CAPACITY),
+            fsync=spec.choice("fsync", FSYNC_POLICIES, DEFAULT_FSYNC),
+            max_workers=spec.integer("workers", 4, minimum=1),
+            name=spec.string("name", "disk"),
+        )
 
     def __init__(
         self,
@@ -202,6 +208,7 @@ class DiskTier(Tier):
         self._recency_flush_s = recency_flush_s
         self._objects = str(self.path / "objects")
         self._tmp = str(self.path / "tmp")
+        self._evicted = str(self.path / "evicted")
         self._db_path = self.path / "index.sqlite3"
 
         # Index state, guarded by _mu.
@@ -211,6 +218,7 @@ class DiskTier(Tier):
         self._bytes = 0  # indexed objects
         self._reserved = 0  # files being written
         self._doomed = 0  # files dropped from the index, not yet unlinked
+        self._held = 0  # evicted files handed off for demotion, not yet released
         self._clock = 0  # recency counter, persisted per row
         self._touches: dict[str, int] = {}
         self._touches_since = time.monotonic()
@@ -229,6 +237,7 @@ class DiskTier(Tier):
                 "declined_no_space",
                 "declined_invalid",
                 "index_repairs",
+                "demotions_dropped",
             ),
             0,
         )
@@ -327,7 +336,7 @@ class DiskTier(Tier):
 
     def _make_dirs(self) -> None:
         created = False
-        for d in (self._objects, self._tmp):
+        for d in (self._objects, self._tmp, self._evicted):
             if not os.path.isdir(d):
                 os.makedirs(d, exist_ok=True)
                 created = True
@@ -335,12 +344,14 @@ class DiskTier(Tier):
             _fsync_path(str(self.path))
 
     def _clean_tmp(self) -> int:
+        """Remove partial writes and evicted files whose demotion a crash interrupted."""
         removed = 0
-        with os.scandir(self._tmp) as it:
-            for de in it:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(de.path)
-                    removed += 1
+        for folder in (self._tmp, self._evicted):
+            with os.scandir(folder) as it:
+                for de in it:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(de.path)
+                        removed += 1
         return removed
 
     def _load_or_rebuild(self) -> tuple[sqlite3.Connection, str]:
@@ -535,6 +546,7 @@ class DiskTier(Tier):
         with self._mu:
             counters = dict(self._counters)
             counters["inflight_bytes"] = self._reserved + self._doomed
+            counters["held_bytes"] = self._held
             return TierUsage(len(self._entries), self._bytes, self.capacity, counters)
 
     async def put(self, key: str, data: memoryview, meta: ObjectMeta) -> bool:
@@ -566,7 +578,7 @@ class DiskTier(Tier):
         except RuntimeError:  # closed meanwhile
             self._release_plan(size, plan)
             return False
-        result = await _uncancellable(fut)
+        result = await uncancellable(fut)
         if isinstance(result, bool):
             return result
         # fsync="batch": the file is written (``data`` is no longer read); wait for the
@@ -589,7 +601,7 @@ class DiskTier(Tier):
             fut = loop.run_in_executor(self._pool, self._get_sync, key, entry, buf)
         except RuntimeError:  # closed meanwhile
             return None
-        ok = await _uncancellable(fut)
+        ok = await uncancellable(fut)
         return entry.meta if ok else None
 
     async def delete(self, key: str) -> bool:
@@ -617,7 +629,10 @@ class DiskTier(Tier):
                 return None
             victims: list[tuple[str, _Entry]] = []
             mine = 0
-            while self._bytes + self._reserved + self._doomed + max(0, size - mine) > self.capacity:
+            # Files held for demotion count too: evict more to cover them while any remain.
+            while self._entries and (
+                self._bytes + self._reserved + self._doomed + self._held + max(0, size - mine) > self.capacity
+            ):
                 key, entry = self._entries.popitem(last=False)
                 self._sorted.remove(key)
                 self._touches.pop(key, None)
@@ -635,15 +650,49 @@ class DiskTier(Tier):
 
     def _victims_gone(self, size: int, plan: tuple[int, list[tuple[str, _Entry]]]) -> None:
         pre, victims = plan
+        handed: list[_DiskVictim] = []
         for key, entry in victims:
             with self._stripe(key):
                 # A put of the same key may have renamed a new file over it meanwhile.
-                if key not in self._entries:
+                if key in self._entries:
+                    continue
+                victim = self._set_aside(key, entry) if self._may_hold(entry.size) else None
+                if victim is None and self.on_evict is not None:
+                    self._count("demotions_dropped")
+                if victim is None:
                     self._unlink(self._path_of(entry.name))
+                else:
+                    handed.append(victim)
         mine = sum(e.size for _, e in victims)
         with self._mu:
             self._doomed -= mine
             self._reserved += size - pre
+        for victim in handed:
+            self.hand_off(victim)
+
+    def _may_hold(self, size: int) -> bool:
+        """Whether an evicted file may wait for its demotion: a taker exists and what is
+        already held stays within HELD_SHARE of the capacity (else it is dropped at once)."""
+        return self.on_evict is not None and self._held + size <= self.capacity // HELD_SHARE
+
+    def _set_aside(self, key: str, entry: _Entry) -> _DiskVictim | None:
+        """Move an evicted file out of its key's path (a new version may be written there)
+        and keep it, counted as held, until the Store has demoted it."""
+        held = os.path.join(self._evicted, uuid.uuid4().hex)
+        try:
+            os.rename(self._path_of(entry.name), held)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            self._warn("disk tier: could not set an evicted file aside", error=str(exc))
+            return None
+        with self._mu:
+            self._held += entry.size
+        return _DiskVictim(self, key, entry, held)
+
+    def _victim_released(self, size: int) -> None:
+        with self._mu:
+            self._held -= size
 
     def _release_plan(self, size: int, plan: tuple[int, list[tuple[str, _Entry]]]) -> None:
         self._victims_gone(size, plan)
@@ -938,6 +987,72 @@ class DiskTier(Tier):
 
     def _warn(self, event: str, **kw: Any) -> None:
         self._warnings.warning(event, path=str(self.path), **kw)
+
+
+class _DiskVictim(Victim):
+    """An evicted object file, moved aside until the Store has demoted it.
+
+    ``open`` maps the file read-only and checks it whole (header, size, CRC) once; the view
+    it returns stays valid even after ``release`` unlinks the file (the mapping outlives
+    the name, and is unmapped when the last view is gone).
+    """
+
+    __slots__ = ("_lock", "_map", "_path", "_size", "_tier", "_verified")
+
+    def __init__(self, tier: DiskTier, key: str, entry: _Entry, path: str) -> None:
+        super().__init__(key, entry.body_len, entry.meta)
+        self._tier = tier
+        self._path: str | None = path
+        self._size = entry.size
+        self._lock = threading.Lock()
+        self._map: mmap.mmap | None = None
+        self._verified = (entry.header_len, entry.crc)
+
+    def open(self) -> memoryview:
+        with self._lock:
+            if self._map is None:
+                self._map = self._map_verified()
+            header_len = self._verified[0]
+            return memoryview(self._map)[header_len : header_len + self.length]
+
+    def _map_verified(self) -> mmap.mmap:
+        if self._path is None:
+            raise TierError("victim already released")
+        try:
+            fd = os.open(self._path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise TierError(f"evicted file unreadable: {exc}") from exc
+        try:
+            if os.fstat(fd).st_size != self._size:
+                raise TierError("evicted file has the wrong size")
+            mapped = mmap.mmap(fd, self._size, prot=mmap.PROT_READ) if self._size else mmap.mmap(-1, 1)
+        finally:
+            os.close(fd)
+        header_len, crc = self._verified
+        try:
+            header = _diskfile.decode_header(memoryview(mapped)[:header_len])
+        except _diskfile.CorruptFile as exc:
+            mapped.close()
+            raise TierError(f"evicted file is corrupt: {exc}") from exc
+        with memoryview(mapped) as whole:
+            body_ok = _diskfile.checksum(whole[header_len : header_len + self.length]) == crc
+        if header.key != self.key or header.body_crc != crc or not body_ok:
+            mapped.close()
+            self._tier._count("corrupt")
+            raise TierError("evicted file is corrupt")
+        return mapped
+
+    def release(self) -> None:
+        with self._lock:
+            path, self._path = self._path, None
+            mapped, self._map = self._map, None
+        if path is None:
+            return
+        if mapped is not None:
+            with contextlib.suppress(BufferError):  # a reader still holds a view: GC unmaps
+                mapped.close()
+        self._tier._unlink(path)
+        self._tier._victim_released(self._size)
 
 
 class _BatchSyncer:
