@@ -82,7 +82,29 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--size", type=int, default=1024, help="bytes per object")
     rs.add_argument("--out", help="output folder (default bench/results/<UTC timestamp>-restart)")
     rs.add_argument("--no-latest", action="store_true", help="do not copy restart.json to bench/latest")
+    sg = sub.add_parser("stream-get", help="GET latency on a socket that also streams PUTs, memory vs disk")
+    sg.add_argument("--size", default="4M", help="PUT object size (default 4M)")
+    sg.add_argument("--every", type=int, default=4, help="one GET after every N PUTs")
+    sg.add_argument("--duration", type=float, default=5.0, help="seconds of streaming per target")
+    sg.add_argument("--disk-args", default="--fsync never", help="extra lmserver flags with --disk")
+    sg.add_argument("--lmserver-cmd", help="command that starts lmserver instead of 'python -m lmserver'")
+    sg.add_argument("--out", help="output folder (default bench/results/<UTC timestamp>-streamget)")
     return ap
+
+
+def stream_get(args: argparse.Namespace) -> int:
+    from .streamget import format_stream_get, run_stream_get
+
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    out = Path(args.out) if args.out else REPO / "bench" / "results" / f"{stamp}-streamget"
+    size = report.parse_size(args.size)
+    variants = [
+        ("lmserver", []),
+        ("lmserver+disk", ["--disk", "{tmp}/disk", "--disk-limit", "64GiB", *args.disk_args.split()]),
+    ]
+    results = run_stream_get(size, args.every, args.duration, out, variants, args.lmserver_cmd)
+    print(format_stream_get(results, size, args.every))
+    return 0
 
 
 def restart(args: argparse.Namespace) -> int:
@@ -359,4 +381,6 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     if args.cmd == "restart":
         return restart(args)
+    if args.cmd == "stream-get":
+        return stream_get(args)
     return 2

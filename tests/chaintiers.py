@@ -68,6 +68,7 @@ class DictTier(Tier):
             return False
         for victim_key, victim in victims:
             self.counters["evictions"] += 1
+            self.index.hold(victim.size)
             self.hand_off(DictVictim(self, victim_key, victim))
         old = self.index.commit(key, record, record.size)
         if old is not None:

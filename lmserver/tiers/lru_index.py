@@ -6,12 +6,15 @@ the same whether the bytes live in files, NIXL slots or a bucket, so it is writt
 
 * ``records`` is an ordered dict in LRU order (least recently used first) of key -> record;
   a record is any object with a ``size`` attribute (bytes it occupies in the backend).
-* ``reserve(size)`` makes room for a write before it starts: it moves LRU records out of the
-  index into *doomed* bytes (still occupying the backend until the caller removes them) and
-  books ``size`` as *reserved*. The caller writes, then ``commit``\\ s the record (reserved
-  becomes indexed) or ``cancel``\\ s the reservation; it calls ``forget(n)`` once it has
-  removed (or handed off and later released) doomed objects.
-* Invariant: ``bytes + reserved + doomed <= capacity``.
+* ``reserve(size)`` makes room for a write before it starts: it takes LRU records out of
+  the index (the *victims*) until ``size`` fits, and books ``size`` as *reserved*. The
+  caller removes the victims from the backend before it writes, or hands them off to be
+  demoted, booking them with ``hold`` until ``forget``. It then ``commit`` the new record
+  (reserved becomes indexed) or ``cancel`` the reservation.
+* *Doomed* bytes (held victims, removed records not yet deleted from the backend) count
+  against the capacity: later reservations evict more to cover them.
+* Invariant: ``bytes + reserved + doomed <= capacity``, except right after victims are held
+  (at most what is held, until it is forgotten).
 
 Thread-safe: one lock, short critical sections, no I/O under it.
 """
@@ -94,17 +97,22 @@ class LRUIndex(Generic[R]):
             self._put_locked(key, record)
 
     def reserve(self, size: int) -> list[tuple[str, R]] | None:
-        """Book ``size`` bytes, evicting LRU records into doomed bytes as needed.
-        Returns the victims (possibly empty), or None if even evicting everything cannot
-        make room now (the rest is reserved or doomed by writes in flight)."""
+        """Book ``size`` bytes, taking LRU records out of the index as needed. Returns the
+        victims (possibly none), or None if even evicting everything cannot make room now
+        (the rest is reserved or doomed by work in flight)."""
         with self.lock:
             if self.reserved + self.doomed + size > self.capacity:
                 return None
             victims = []
-            while self.bytes + self.reserved + self.doomed + size > self.capacity:
+            while self.records and self.bytes + self.reserved + self.doomed + size > self.capacity:
                 victims.append(self._evict_locked())
             self.reserved += size
             return victims
+
+    def hold(self, size: int) -> None:
+        """Victims kept in the backend (handed off for demotion) until ``forget``."""
+        with self.lock:
+            self.doomed += size
 
     def commit(self, key: str, record: R, reserved: int) -> R | None:
         """Index a written object whose space was reserved; returns the record it replaced
@@ -142,8 +150,8 @@ class LRUIndex(Generic[R]):
             self.doomed -= size
 
     def overflow(self) -> list[tuple[str, R]]:
-        """Evict LRU records until the index fits its capacity (after loading, or after
-        the capacity was lowered); the victims' bytes are doomed."""
+        """Take LRU records out until the index fits its capacity (after loading, or after
+        the capacity was lowered); the caller removes (or holds) the victims."""
         with self.lock:
             victims = []
             while self.records and self.bytes + self.reserved + self.doomed > self.capacity:
@@ -159,5 +167,4 @@ class LRUIndex(Generic[R]):
         key, record = self.records.popitem(last=False)
         self._sorted.remove(key)
         self.bytes -= record.size
-        self.doomed += record.size
         return key, record
