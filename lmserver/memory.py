@@ -264,6 +264,17 @@ class MemoryTier:
 
     # -- listing and accounting ---------------------------------------------------------
 
+    def pinned_by_recency(self) -> list[Entry]:
+        """Every object, pinned (the caller unpins each), most recently used first."""
+        entries: list[Entry] = []
+        for shard in self._shards:
+            with shard.lock:
+                for entry in shard.entries.values():
+                    entry.pins += 1
+                    entries.append(entry)
+        entries.sort(key=lambda e: e.tick, reverse=True)
+        return entries
+
     def keys(self, prefix: str = "") -> Iterator[str]:
         """Keys starting with ``prefix`` in sorted order (a snapshot)."""
         with self._keys_lock:

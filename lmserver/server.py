@@ -122,7 +122,7 @@ class Server:
             await asyncio.wait(list(state.tasks), timeout=self.config.shutdown_timeout)
         for task in self._background:
             task.cancel()
-        await self.state.store.close()
+        await self.state.store.close(flush_s=self.config.shutdown_timeout)
         if self._server is not None:
             await self._server.wait_closed()
         log.info("stopped", counters=dict(state.counters))

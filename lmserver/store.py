@@ -54,6 +54,8 @@ throttled = ThrottledWarnings(log)
 
 PINNED_SHARE = 4
 """Write-behinds may pin at most 1/PINNED_SHARE of memory: the rest stays free for PUTs."""
+FLUSH_CONCURRENCY = 4
+"""Writes in flight while memory is flushed to the first tier at shutdown."""
 LENT_SHARE = 8
 """With tiers behind memory, 1/LENT_SHARE of it holds evicted objects until they are demoted."""
 
@@ -93,13 +95,16 @@ class Store:
             for link, following in zip(self.links, self.links[1:], strict=False):
                 link.tier.on_evict = self._evicted_hook(following)
 
-    async def close(self) -> None:
-        """Finish queued writes, then close every tier."""
+    async def close(self, flush_s: float = 0.0) -> None:
+        """Finish queued writes, write what only memory holds to the first tier (for up to
+        ``flush_s`` seconds), then close every tier."""
         self.memory.on_evict = None
         for link in self.links:
             link.tier.on_evict = None
         for link in self.links:
             await link.drain()
+        if self.links and flush_s > 0:
+            await self._flush_memory(self.links[0], time.monotonic() + flush_s)
         for link in self.links:
             await link.tier.close()
         if self._io is not None:
@@ -180,6 +185,39 @@ class Store:
             link.done_with(entry.length)
             self.pinned_bytes -= entry.length
             self.memory.unpin(entry)
+
+    async def _flush_memory(self, link: Link, deadline: float) -> None:
+        """At shutdown, copy to the first tier what it does not hold (writes that were
+        skipped, objects of a demote-only tier), most recently used first, so a restart
+        finds them. Bounded by ``deadline``; what is left is counted in the log line."""
+        entries = self.memory.pinned_by_recency()
+        started, written, left = time.monotonic(), 0, 0
+        pending: set[asyncio.Task[bool]] = set()
+        try:
+            for entry in entries:
+                if not entry.live or link.tier.contains(entry.key):
+                    continue
+                if time.monotonic() >= deadline:
+                    left += 1
+                    continue
+                if len(pending) >= FLUSH_CONCURRENCY:
+                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    written += sum(_succeeded(task) for task in done)
+                pending.add(asyncio.ensure_future(link.tier.put(entry.key, entry.view, entry.meta)))
+            if pending:
+                await asyncio.wait(pending)
+                written += sum(_succeeded(task) for task in pending)
+        finally:
+            for entry in entries:
+                self.memory.unpin(entry)
+        if written or left:
+            log.info(
+                "memory flushed to the first tier",
+                tier=link.name,
+                objects=written,
+                not_written=left,
+                seconds=round(time.monotonic() - started, 3),
+            )
 
     def abort(self, entry: Entry) -> None:
         self.memory.abort(entry)
@@ -403,6 +441,10 @@ class Store:
         """Counters worth a line in the periodic activity log, flat, per tier."""
         watched = ("skipped_writes", "demotions", "demotions_skipped", "write_failures")
         return {f"{link.name}_{name}": link.counters[name] for link in self.links for name in watched}
+
+
+def _succeeded(task: asyncio.Task[bool]) -> bool:
+    return not task.cancelled() and task.exception() is None and task.result()
 
 
 def _copy_from(victim: Victim, target: memoryview) -> None:

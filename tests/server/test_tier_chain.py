@@ -112,6 +112,24 @@ def put_settled(w: Wire, key: str, body: bytes, meta: ObjectMeta = META) -> None
     settle(w)
 
 
+def test_a_clean_stop_writes_what_only_memory_holds(spawn_server, tmp_path: Path) -> None:
+    # Every fire-and-forget disk write is skipped (a queue of 0 bytes): at SIGTERM the server
+    # writes what only memory holds to the disk, so the restart serves all of it.
+    proc = spawn_server("--disk", str(tmp_path / "d"), "--write-behind-limit", "0")
+    keys = [f"m{i}" for i in range(50)]
+    with Wire(proc.host, proc.port) as w:
+        for key in keys:
+            w.send(Command.PUT, key, value(key, 64 * KiB))
+        assert w.get(keys[-1]) == value(keys[-1], 64 * KiB)
+        assert stats(w)["tiers"][1]["objects"] == 0
+    assert proc.terminate() == 0
+    assert proc.events("memory flushed to the first tier")[0]["objects"] == 50
+    proc.restart()
+    with Wire(proc.host, proc.port) as w:
+        for key in keys:
+            assert w.get(key) == value(key, 64 * KiB), key
+
+
 def chain_server(make_server_thread, tmp_path: Path, disk_mode: str = "write-behind"):
     """memory (4 MiB) -> disk (8 MiB) -> dict (64 MiB)."""
     disk = f"disk:{tmp_path / 'd'}?capacity=8MiB&mode={disk_mode}"

@@ -74,10 +74,10 @@ async def test_a_corrupt_victim_is_refused_never_demoted(tmp_path: Path) -> None
         for i in range(40):
             await tier.put(f"k{i}", memoryview(body(i)), META)
         victim = taker.victims[0]
-        held = next((tmp_path / "evicted").iterdir())
-        raw = bytearray(held.read_bytes())
-        raw[-10:] = b"corruption"
-        held.write_bytes(raw)
+        for held in (tmp_path / "evicted").iterdir():
+            raw = bytearray(held.read_bytes())
+            raw[-10:] = b"corruption"
+            held.write_bytes(raw)
         with pytest.raises(TierError):
             victim.open()
         for v in taker.victims:
