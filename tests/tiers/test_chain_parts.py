@@ -3,6 +3,8 @@ the shared LRU index, tier specs, and the memory pool's lent share."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -34,14 +36,25 @@ class Taker:
         self.victims.append(victim)
 
 
-async def test_disk_eviction_hands_off_a_verified_victim(tmp_path: Path) -> None:
-    tier = DiskTier(tmp_path, capacity=HELD_SHARE * 200 * KiB)
+@contextlib.asynccontextmanager
+async def evicting_disk(root: Path, held_objects: int) -> AsyncIterator[tuple[DiskTier, Taker]]:
+    """A disk tier that has evicted (and handed off) some of 40 objects of 64 KiB."""
+    tier = DiskTier(root, capacity=HELD_SHARE * held_objects * 100 * KiB)
     await tier.open()
     taker = Taker()
     tier.on_evict = taker
     try:
         for i in range(40):
             assert await tier.put(f"k{i}", memoryview(body(i)), META)
+        yield tier, taker
+    finally:
+        for victim in taker.victims:
+            victim.release()
+        await tier.close()
+
+
+async def test_disk_eviction_hands_off_a_verified_victim(tmp_path: Path) -> None:
+    async with evicting_disk(tmp_path, held_objects=2) as (tier, taker):
         assert taker.victims, "the disk evicted nothing"
         victim = taker.victims[0]
         assert (victim.key, victim.length, victim.meta) == ("k0", 64 * KiB, META)
@@ -61,18 +74,10 @@ async def test_disk_eviction_hands_off_a_verified_victim(tmp_path: Path) -> None
         assert not list((tmp_path / "evicted").iterdir())
         with pytest.raises(TierError):
             victim.open()
-    finally:
-        await tier.close()
 
 
 async def test_a_corrupt_victim_is_refused_never_demoted(tmp_path: Path) -> None:
-    tier = DiskTier(tmp_path, capacity=HELD_SHARE * 200 * KiB)
-    await tier.open()
-    taker = Taker()
-    tier.on_evict = taker
-    try:
-        for i in range(40):
-            await tier.put(f"k{i}", memoryview(body(i)), META)
+    async with evicting_disk(tmp_path, held_objects=2) as (_tier, taker):
         victim = taker.victims[0]
         for held in (tmp_path / "evicted").iterdir():
             raw = bytearray(held.read_bytes())
@@ -80,28 +85,14 @@ async def test_a_corrupt_victim_is_refused_never_demoted(tmp_path: Path) -> None
             held.write_bytes(raw)
         with pytest.raises(TierError):
             victim.open()
-        for v in taker.victims:
-            v.release()
-    finally:
-        await tier.close()
 
 
 async def test_victims_beyond_the_held_share_are_dropped_and_counted(tmp_path: Path) -> None:
-    tier = DiskTier(tmp_path, capacity=HELD_SHARE * 100 * KiB)  # room to hold one victim
-    await tier.open()
-    taker = Taker()
-    tier.on_evict = taker
-    try:
-        for i in range(40):
-            await tier.put(f"k{i}", memoryview(body(i)), META)
+    async with evicting_disk(tmp_path, held_objects=1) as (tier, taker):
         assert len(taker.victims) == 1  # never released: the share stays full
         assert tier.usage().counters["demotions_dropped"] > 0
         usage = tier.usage()
         assert usage.bytes + usage.counters["held_bytes"] <= usage.capacity
-    finally:
-        for v in taker.victims:
-            v.release()
-        await tier.close()
 
 
 async def test_files_held_at_a_crash_are_removed_at_open(tmp_path: Path) -> None:
