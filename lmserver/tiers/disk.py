@@ -17,6 +17,9 @@ Strategy:
   not close cleanly (or ``check_files=True``) the index is reconciled with a listing of the
   object directories: rows whose file is gone are dropped, whole files without a row are
   added back. Rows whose file vanished later are dropped lazily, on the GET that misses.
+  A listing cannot tell a row from a newer file of the same size (a crash between a rename
+  and its index write): the first GET reads the file's own header, serves the file if its
+  body checks, and repairs the row, so an acknowledged put is never a miss after a crash.
 * Capacity counts file sizes (header + body) and is never exceeded, including files being
   written and evicted files not yet unlinked: a put first evicts LRU objects (their files
   are unlinked before its own file is written), and declines an object that cannot fit.
@@ -469,7 +472,8 @@ class DiskTier(Tier):
 
         Rows without a file are dropped; files without a row, or whose size differs from
         their row (a newer version renamed in just before the crash), are indexed from
-        their headers. A same-size stale row is repaired lazily by the GET that meets it.
+        their headers. A same-size stale row is repaired lazily by the GET that meets it
+        (which serves the newer file), so a restart reads no headers for known files.
         """
         by_name = {e.name: k for k, e in self._entries.items()}
         on_disk: set[str] = set()
@@ -601,8 +605,7 @@ class DiskTier(Tier):
             fut = loop.run_in_executor(self._pool, self._get_sync, key, entry, buf)
         except RuntimeError:  # closed meanwhile
             return None
-        ok = await uncancellable(fut)
-        return entry.meta if ok else None
+        return await uncancellable(fut)
 
     async def delete(self, key: str) -> bool:
         if self._closed or self._pool is None:
@@ -815,40 +818,50 @@ class DiskTier(Tier):
             self._counters["write_errors"] += 1
         self._warn("disk tier write failed; object not stored", error=str(exc), errno=exc.errno, **kw)
 
-    def _get_sync(self, key: str, entry: _Entry, buf: memoryview) -> bool:
+    def _get_sync(self, key: str, entry: _Entry, buf: memoryview) -> ObjectMeta | None:
         path = self._path_of(entry.name)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
-            return self._drop(key, entry, "missing")
+            self._drop(key, entry, "missing")
+            return None
         except OSError as exc:
-            return self._read_failed(key, exc)
+            self._read_failed(key, exc)
+            return None
         try:
             size = os.fstat(fd).st_size
             header = bytearray(entry.header_len)
             got = _diskfile.read_object(fd, header, buf)
         except OSError as exc:
-            return self._read_failed(key, exc)
+            self._read_failed(key, exc)
+            return None
         finally:
             os.close(fd)
         try:
             h = _diskfile.decode_header(header)
         except _diskfile.CorruptFile:
-            return self._drop(key, entry, "corrupt")
+            self._drop(key, entry, "corrupt")
+            return None
         if h.key != key:
-            return self._drop(key, entry, "corrupt")
+            self._drop(key, entry, "corrupt")
+            return None
         if (h.body_len, h.body_crc, h.meta) != (entry.body_len, entry.crc, entry.meta):
-            if size == h.size:  # a whole file of another version: the index is stale
-                return self._repair(key, entry, h)
-            return self._drop(key, entry, "corrupt")
+            if size != h.size:
+                self._drop(key, entry, "corrupt")
+                return None
+            # A whole file of another version: the index is stale (or the key was just
+            # overwritten). Same length: the buffer holds its body; serve it if it checks.
+            whole = h.body_len == entry.body_len and got == size and _diskfile.checksum(buf) == h.body_crc
+            return self._repair(key, entry, h, whole)
         if size != entry.size or got != entry.size or _diskfile.checksum(buf) != entry.crc:
-            return self._drop(key, entry, "corrupt")
+            self._drop(key, entry, "corrupt")
+            return None
         with self._mu:
             self._counters["hits"] += 1
             if self._entries.get(key) is entry:
                 self._note_use_locked(key)
         self._flush_touches()
-        return True
+        return entry.meta
 
     def touch(self, key: str) -> None:
         """The memory tier served ``key``: it is recently used here too (no I/O)."""
@@ -862,39 +875,42 @@ class DiskTier(Tier):
         self._clock += 1
         self._touches[key] = self._clock
 
-    def _repair(self, key: str, entry: _Entry, header: _diskfile.Header) -> bool:
-        """Re-index a file whose header disagrees with a stale row; this read is a miss.
+    def _repair(self, key: str, entry: _Entry, header: _diskfile.Header, whole: bool) -> ObjectMeta | None:
+        """Re-index a file whose header disagrees with a stale row; serve it if ``whole``
+        (its body, read into the caller's buffer, matched the header's CRC), else a miss.
 
-        Happens after a crash between a rename and its index write (or a concurrent
-        overwrite, which the identity check tells apart). The body is checked when next read.
+        Happens after a crash between a rename and its index write: a reconcile at open
+        trusts a row whose file has the same size, and the file is the newer, acknowledged
+        version (or a concurrent overwrite, which the identity check tells apart: it is
+        served, the index already has it). A body that does not check is read next time.
         """
         with self._stripe(key), self._mu:
-            self._counters["misses"] += 1
-            if self._entries.get(key) is not entry:
-                return False  # replaced while we read
-            fixed = _entry_from_header(entry.name, header)
-            self._entries[key] = fixed
-            self._bytes += fixed.size - entry.size
-            self._clock += 1
-            self._counters["index_repairs"] += 1
-            assert self._db is not None
-            self._db.submit(_diskindex.upsert_op(_row(key, fixed, self._clock)))
-        return False
+            self._counters["hits" if whole else "misses"] += 1
+            if self._entries.get(key) is entry:
+                fixed = _entry_from_header(entry.name, header)
+                self._entries[key] = fixed
+                self._entries.move_to_end(key)
+                self._bytes += fixed.size - entry.size
+                self._clock += 1
+                self._touches.pop(key, None)
+                self._counters["index_repairs"] += 1
+                assert self._db is not None
+                self._db.submit(_diskindex.upsert_op(_row(key, fixed, self._clock)))
+        return header.meta if whole else None
 
-    def _read_failed(self, key: str, exc: OSError) -> bool:
+    def _read_failed(self, key: str, exc: OSError) -> None:
         with self._mu:
             self._counters["read_errors"] += 1
             self._counters["misses"] += 1
         self._warn("disk tier read failed; served as a miss", key=key, error=str(exc))
-        return False
 
-    def _drop(self, key: str, entry: _Entry, reason: Literal["corrupt", "missing"]) -> bool:
+    def _drop(self, key: str, entry: _Entry, reason: Literal["corrupt", "missing"]) -> None:
         """Remove a bad object (if the index still holds this version); always a miss."""
         with self._stripe(key):
             with self._mu:
                 self._counters["misses"] += 1
                 if self._entries.get(key) is not entry:
-                    return False  # replaced or deleted while we read: not corruption
+                    return  # replaced or deleted while we read: not corruption
                 del self._entries[key]
                 self._sorted.remove(key)
                 self._touches.pop(key, None)
@@ -909,7 +925,6 @@ class DiskTier(Tier):
                 with self._mu:
                     self._doomed -= entry.size
         self._warn(f"disk tier: {reason} object file dropped", key=key)
-        return False
 
     def _delete_sync(self, key: str) -> bool:
         with self._stripe(key):
