@@ -108,7 +108,8 @@ def main() -> None:
     default=format_size(DEFAULT_DISK_LIMIT),
     envvar=_env("DISK_LIMIT"),
     show_envvar=True,
-    help="Bytes the disk tier may use (files and headers); LRU eviction beyond.",
+    help="Bytes the disk tier may use (files and headers); LRU eviction beyond, and below it while"
+    " the filesystem is full.",
 )
 @click.option(
     "--fsync",

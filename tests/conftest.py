@@ -155,3 +155,23 @@ def spawn_server(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
     yield spawn
     for process in spawned:
         process.stop()
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A real 8 MiB filesystem (tmpfs, mounted for the test), unmounted afterwards. Request
+    it before ``spawn_server`` (or a tier fixture) so that is stopped before the unmount."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a size-limited tmpfs needs root")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"mount -t tmpfs is not permitted here: {done.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], check=True)

@@ -23,6 +23,12 @@ Strategy:
 * Capacity counts file sizes (header + body) and is never exceeded, including files being
   written and evicted files not yet unlinked: a put first evicts LRU objects (their files
   are unlinked before its own file is written), and declines an object that cannot fit.
+* A full filesystem (ENOSPC, EDQUOT) means the configured capacity is more than the real
+  space: the tier lowers its *effective* capacity to its own bytes plus the filesystem's
+  free space, less a margin (``os.statvfs``), evicts LRU objects down to it and retries the
+  write (at most ``_NO_SPACE_RETRIES`` times). While lowered, the free space is re-read at
+  most every ``_SPACE_RECHECK_S`` seconds by a put, so the capacity rises again when space
+  comes back. ``usage()`` reports both capacities.
 * All blocking work (file I/O, fsync, SQLite) runs in threads: a bounded pool for object
   I/O, one thread for SQLite, one for ``fsync="batch"`` group commits. State is guarded by
   a lock, and per-key stripe locks order the renames/unlinks of one key against index
@@ -55,6 +61,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import errno
 import fcntl
 import mmap
 import os
@@ -92,6 +99,9 @@ _TOUCH_BATCH = 4096
 _PROGRESS_EVERY = 10_000
 _REBUILD_CHUNK = 256
 _WARN_INTERVAL_S = 10.0
+_NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_NO_SPACE_RETRIES = 3
+_SPACE_RECHECK_S = 1.0
 
 
 class _Entry(NamedTuple):
@@ -202,7 +212,8 @@ class DiskTier(Tier):
             raise ValueError("capacity must be >= 0")
         self.name = name
         self.path = Path(path)
-        self.capacity = capacity
+        self.capacity = capacity  # as configured
+        self.effective_capacity = capacity  # lower while the filesystem holds less
         self.fsync: FsyncPolicy = fsync
         self.check_files = check_files
         self._max_workers = max_workers
@@ -225,6 +236,7 @@ class DiskTier(Tier):
         self._clock = 0  # recency counter, persisted per row
         self._touches: dict[str, int] = {}
         self._touches_since = time.monotonic()
+        self._space_checked = 0.0  # when the free space was last read (monotonic)
         self._counters = dict.fromkeys(
             (
                 "hits",
@@ -235,6 +247,7 @@ class DiskTier(Tier):
                 "corrupt",
                 "missing",
                 "write_errors",
+                "out_of_space",
                 "read_errors",
                 "declined_too_large",
                 "declined_no_space",
@@ -551,6 +564,7 @@ class DiskTier(Tier):
             counters = dict(self._counters)
             counters["inflight_bytes"] = self._reserved + self._doomed
             counters["held_bytes"] = self._held
+            counters["effective_capacity"] = self.effective_capacity
             return TierUsage(len(self._entries), self._bytes, self.capacity, counters)
 
     async def put(self, key: str, data: memoryview, meta: ObjectMeta) -> bool:
@@ -574,7 +588,7 @@ class DiskTier(Tier):
         plan = self._reserve(size)
         if plan is None:
             self._count("declined_no_space")
-            self._warn("disk tier full of in-flight writes; object not stored", size=size)
+            self._warn("disk tier full of in-flight writes (or its filesystem); object not stored", size=size)
             return False
         loop = asyncio.get_running_loop()
         try:
@@ -625,16 +639,20 @@ class DiskTier(Tier):
 
         Invariant: bytes + reserved + doomed <= capacity and >= what is on disk. Victims
         move from ``bytes`` to ``doomed`` (still on disk); the put unlinks them before it
-        writes, then converts their share into its reservation (``_victims_gone``).
+        writes, then converts their share into its reservation (``_victims_gone``). After
+        the effective capacity was lowered (a full filesystem) the victims also cover the
+        excess, so the invariant holds again once they are gone.
         """
         with self._mu:
-            if self._reserved + self._doomed + max(size, self._bytes) > self.capacity:
+            if self._reserved + self._doomed + size > self.effective_capacity:
                 return None
             victims: list[tuple[str, _Entry]] = []
             mine = 0
-            # Files held for demotion count too: evict more to cover them while any remain.
+            # Files held for demotion count too: evict enough that the total fits once the
+            # victims are gone, also when it is over (held files, a lowered capacity).
             while self._entries and (
-                self._bytes + self._reserved + self._doomed + self._held + max(0, size - mine) > self.capacity
+                self._bytes + self._reserved + self._doomed + self._held - mine + size
+                > self.effective_capacity
             ):
                 key, entry = self._entries.popitem(last=False)
                 self._sorted.remove(key)
@@ -757,21 +775,25 @@ class DiskTier(Tier):
                 self._reserved -= size
                 self._counters["declined_invalid"] += 1
             return None
-        tmp = os.path.join(self._tmp, uuid.uuid4().hex)
-        fd = -1
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-            _diskfile.write_object(fd, header, data)
-            if self.fsync != "never":
-                os.fsync(fd)
-            os.close(fd)
+        self._recheck_space()
+        for attempt in range(_NO_SPACE_RETRIES + 1):
+            tmp = os.path.join(self._tmp, uuid.uuid4().hex)
             fd = -1
-        except OSError as exc:
-            if fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-            self._write_failed(tmp, size, exc, key=key)
-            return None
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                _diskfile.write_object(fd, header, data)
+                if self.fsync != "never":
+                    os.fsync(fd)
+                os.close(fd)
+                break
+            except OSError as exc:
+                if fd >= 0:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+                if exc.errno in _NO_SPACE_ERRNOS and attempt < _NO_SPACE_RETRIES and self._make_room(tmp):
+                    continue
+                self._write_failed(tmp, size, exc, key=key)
+                return None
         entry = _Entry(name, size, len(header), len(data), crc, meta)
         return _Job(key, tmp, self._path_of(name), entry, concurrent.futures.Future())
 
@@ -816,7 +838,52 @@ class DiskTier(Tier):
         with self._mu:
             self._reserved -= size
             self._counters["write_errors"] += 1
+        if exc.errno in _NO_SPACE_ERRNOS:  # (a rename or mkdir): fit the next puts
+            self._fit_to_filesystem()
         self._warn("disk tier write failed; object not stored", error=str(exc), errno=exc.errno, **kw)
+
+    def _make_room(self, tmp: str) -> bool:
+        """A write ran out of filesystem space (the put keeps its reservation): lower the
+        effective capacity to what the filesystem holds and evict LRU objects down to it.
+        False if in-flight writes alone fill it; else retry (a concurrent put may have
+        evicted for everyone, so a retry is worth it even when this call evicted nothing)."""
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)  # its blocks count as free below
+        self._count("out_of_space")
+        effective = self._fit_to_filesystem()
+        self._warn("disk tier: filesystem full; evicting down to its space", effective_capacity=effective)
+        plan = self._reserve(0)
+        if plan is None:  # in-flight writes alone fill what is left
+            return False
+        self._victims_gone(0, plan)
+        return True
+
+    def _fit_to_filesystem(self) -> int:
+        """Effective capacity = our files + the filesystem's free space - a margin (1/64 of
+        the filesystem, at most 1 GiB: the index, directories, block rounding), never above
+        the configured capacity. Returns it."""
+        try:
+            st = os.statvfs(self.path)
+        except OSError as exc:
+            self._warn("disk tier: cannot read the filesystem's free space", error=str(exc))
+            return self.effective_capacity
+        margin = min(max(st.f_blocks * st.f_frsize // 64, 16 * st.f_frsize), 1 << 30)
+        with self._mu:
+            self._space_checked = time.monotonic()
+            before = self.effective_capacity
+            fits = self._bytes + self._doomed + st.f_bavail * st.f_frsize - margin
+            self.effective_capacity = after = max(0, min(self.capacity, fits))
+        if before < after == self.capacity:
+            log.info("disk tier: filesystem has room again", path=str(self.path), capacity=after)
+        return after
+
+    def _recheck_space(self) -> None:
+        """While the effective capacity is lowered, re-read the free space now and then."""
+        if (
+            self.effective_capacity < self.capacity
+            and time.monotonic() - self._space_checked >= _SPACE_RECHECK_S
+        ):
+            self._fit_to_filesystem()
 
     def _get_sync(self, key: str, entry: _Entry, buf: memoryview) -> ObjectMeta | None:
         path = self._path_of(entry.name)

@@ -397,3 +397,35 @@ def test_sigterm_answers_what_it_received_then_closes_cleanly(spawn_server, tmp_
     proc.restart()
     with Wire(proc.host, proc.port) as w:
         assert get_many(w, keys[:acked]) == [value(k, 64 * KiB) for k in keys[:acked]]
+
+
+def test_full_filesystem_evicts_and_keeps_accepting(small_fs: Path, spawn_server) -> None:
+    """--disk-limit above what the filesystem holds: ENOSPC lowers the tier's effective
+    capacity and evicts older objects, so every PUT_ACK succeeds; STATS shows both
+    capacities, and the effective one rises again when space comes back."""
+    ballast = small_fs / "ballast"
+    ballast.write_bytes(bytes(3 * MiB))  # another user of the same filesystem
+    proc = spawn_server("--disk", str(small_fs / "data"), "--disk-limit", "64MiB", "--memory-limit", "1MiB")
+    keys = [f"full{i}" for i in range(120)]  # 30 MiB through ~5 MiB of free space
+    with Wire(proc.host, proc.port) as w:
+        for key in keys:
+            reply, text = w.call(Command.PUT_ACK, key, value(key, 256 * KiB))
+            assert reply.status == 200, (key, text)
+        tier = disk_tier(stats(w))
+        assert tier["capacity"] == 64 * MiB
+        lowered = tier["effective_capacity"]
+        assert 0 < lowered < 5 * MiB
+        assert tier["bytes"] <= lowered and tier["evictions"] > 0 and tier["out_of_space"] > 0
+        assert tier["write_errors"] == 0
+        assert get_many(w, keys[-6:]) == [value(k, 256 * KiB) for k in keys[-6:]]  # from disk
+        ballast.unlink()  # space comes back
+        deadline = time.monotonic() + 60
+        more = 0
+        while disk_tier(stats(w))["effective_capacity"] < lowered + 2 * MiB:
+            assert time.monotonic() < deadline, "the effective capacity never rose again"
+            w.put(f"more{more}", value(f"more{more}", 256 * KiB))
+            more += 1
+            time.sleep(0.05)
+        for i in range(more, more + 20):  # and the room is used
+            w.put(f"more{i}", value(f"more{i}", 256 * KiB))
+        assert disk_tier(stats(w))["bytes"] > lowered + MiB

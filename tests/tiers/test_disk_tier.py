@@ -1,8 +1,9 @@
 """DiskTier against real files and a real SQLite index in tmp_path.
 
-The one fake: ``test_enospc_*`` replaces ``_diskfile.write_object`` to raise ENOSPC, since
-a size-limited filesystem cannot be mounted here; ``test_real_write_error_*`` gets a real
-kernel error (EFBIG from RLIMIT_FSIZE) in a subprocess instead.
+The one fake: ``test_enospc_*`` replaces ``_diskfile.write_object`` to raise ENOSPC on a
+filesystem with room (nothing to evict helps); ``test_full_filesystem_*`` fills a real 8 MiB
+tmpfs (needs root to mount it; skipped otherwise), and ``test_real_write_error_*`` gets a
+real kernel error (EFBIG from RLIMIT_FSIZE) in a subprocess.
 """
 
 from __future__ import annotations
@@ -550,6 +551,32 @@ async def test_enospc_on_write_is_declined_and_tier_keeps_serving(
     assert await get(tier, "before") == (b"ok", META)  # the old version is intact
     assert await tier.put("after", memoryview(b"fine"), META)
     assert await get(tier, "after") == (b"fine", META)
+
+
+@pytest.mark.parametrize("fsync", ["never", "batch"])
+async def test_full_filesystem_evicts_lru_and_retries(small_fs: Path, fsync: FsyncPolicy) -> None:
+    """A real 8 MiB filesystem under a 64 MiB capacity: concurrent puts that run into ENOSPC
+    lower the effective capacity, evict older objects, retry and succeed."""
+    root = small_fs / "disk"
+    t = DiskTier(root, capacity=64 << 20, fsync=fsync)
+    await t.open()
+    try:
+        objs = {f"k{i}": payload(i, 200_000) for i in range(150)}  # 30 MB
+        keys = list(objs)
+        for start in range(0, len(keys), 8):
+            batch = keys[start : start + 8]
+            oks = await asyncio.gather(*(t.put(k, memoryview(objs[k]), META) for k in batch))
+            assert all(oks), (start, t.usage())
+        u = t.usage()
+        assert u.capacity == 64 << 20 and 0 < u.counters["effective_capacity"] < 8 << 20
+        assert u.bytes <= u.counters["effective_capacity"] and u.counters["evictions"] > 0
+        assert u.counters["out_of_space"] > 0 and u.counters["write_errors"] == 0
+        assert u.bytes == sum(p.stat().st_size for p in object_files(root))
+        assert list((root / "tmp").iterdir()) == []
+        for k in keys[-8:]:
+            assert await get(t, k) == (objs[k], META)
+    finally:
+        await t.close()
 
 
 _EFBIG_SCRIPT = """
