@@ -159,14 +159,14 @@ def spawn_server(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
 
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Iterator[Path]:
-    """A real 8 MiB filesystem (tmpfs, mounted for the test), unmounted afterwards. Request
+    """A real 16 MiB filesystem (tmpfs, mounted for the test), unmounted afterwards. Request
     it before ``spawn_server`` (or a tier fixture) so that is stopped before the unmount."""
     if os.geteuid() != 0:
         pytest.skip("mounting a size-limited tmpfs needs root")
     mnt = tmp_path / "small"
     mnt.mkdir()
     done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True, text=True
+        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], capture_output=True, text=True
     )
     if done.returncode != 0:
         pytest.skip(f"mount -t tmpfs is not permitted here: {done.stderr.strip()}")

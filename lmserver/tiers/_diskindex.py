@@ -29,6 +29,11 @@ log = structlog.get_logger(__name__)
 
 SCHEMA_VERSION = "1"
 
+GROWTH_ROOM = 5 << 20
+"""Free space the index needs beyond its current files: the WAL grows to ~4 MiB (SQLite's
+default autocheckpoint, 1000 pages) before it is reused, plus the shared-memory file that
+an open creates. The disk tier leaves this much free when its filesystem fills up."""
+
 Row = tuple[str, str, int, int, int, int, int, int, int, int, int, int, int, int]
 """key, file, size, header_len, body_len, crc, fmt, dtype, s0, s1, s2, s3, location, recency."""
 

@@ -258,6 +258,7 @@ class DiskTier(Tier):
             0,
         )
         self._stripes = [threading.Lock() for _ in range(_STRIPES)]
+        self._room_lock = threading.Lock()  # one writer at a time makes room on a full filesystem
         self._warnings = ThrottledWarnings(log, _WARN_INTERVAL_S)
 
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -276,10 +277,12 @@ class DiskTier(Tier):
         )
         try:
             await asyncio.get_running_loop().run_in_executor(self._pool, self._open_sync)
-        except BaseException:
+        except BaseException as exc:
             self._closed = True
             self._pool.shutdown(wait=False)
             self._release_lock()
+            if self._filesystem_full(exc):  # an operator's problem, not a bug: say so plainly
+                raise OSError(errno.ENOSPC, f"disk tier {self.path}: the filesystem is full ({exc})") from exc
             raise
 
     async def close(self) -> None:
@@ -304,6 +307,20 @@ class DiskTier(Tier):
         with self._mu:
             objects, nbytes = len(self._entries), self._bytes
         log.info("disk tier closed", path=str(self.path), objects=objects, bytes=nbytes)
+
+    def _filesystem_full(self, exc: BaseException) -> bool:
+        """Did SQLite fail for want of space? (A full disk can also surface as an I/O error,
+        e.g. SQLITE_IOERR_SHMSIZE when the WAL index cannot grow.)"""
+        if not isinstance(exc, sqlite3.OperationalError):
+            return False
+        code = getattr(exc, "sqlite_errorcode", 0)
+        if code == sqlite3.SQLITE_FULL:
+            return True
+        try:
+            st = os.statvfs(self.path)
+        except OSError:
+            return False
+        return code & 0xFF == sqlite3.SQLITE_IOERR and st.f_bavail * st.f_frsize < (1 << 20)
 
     def _release_lock(self) -> None:
         if self._lock_fd is not None:
@@ -382,6 +399,10 @@ class DiskTier(Tier):
                     return conn, "index"
                 log.warning("disk index has an unknown schema; rebuilding from files", schema=schema)
             except sqlite3.DatabaseError as exc:
+                if self._filesystem_full(exc):  # not corrupt: keep it, and fail the open
+                    if conn is not None:
+                        conn.close()
+                    raise
                 log.warning("disk index is unreadable; rebuilding from files", error=str(exc))
             if conn is not None:
                 conn.close()
@@ -790,7 +811,8 @@ class DiskTier(Tier):
                 if fd >= 0:
                     with contextlib.suppress(OSError):
                         os.close(fd)
-                if exc.errno in _NO_SPACE_ERRNOS and attempt < _NO_SPACE_RETRIES and self._make_room(tmp):
+                if exc.errno in _NO_SPACE_ERRNOS and attempt < _NO_SPACE_RETRIES:
+                    self._make_room(tmp)
                     continue
                 self._write_failed(tmp, size, exc, key=key)
                 return None
@@ -842,32 +864,32 @@ class DiskTier(Tier):
             self._fit_to_filesystem()
         self._warn("disk tier write failed; object not stored", error=str(exc), errno=exc.errno, **kw)
 
-    def _make_room(self, tmp: str) -> bool:
+    def _make_room(self, tmp: str) -> None:
         """A write ran out of filesystem space (the put keeps its reservation): lower the
         effective capacity to what the filesystem holds and evict LRU objects down to it.
-        False if in-flight writes alone fill it; else retry (a concurrent put may have
-        evicted for everyone, so a retry is worth it even when this call evicted nothing)."""
+        One writer at a time, victims unlinked before the next looks: writers that ran out
+        together then evict once, not once each (victims count as on disk until unlinked),
+        and retry into the space already freed."""
         with contextlib.suppress(OSError):
             os.unlink(tmp)  # its blocks count as free below
         self._count("out_of_space")
-        effective = self._fit_to_filesystem()
+        with self._room_lock:
+            effective = self._fit_to_filesystem()
+            plan = self._reserve(0)
+            if plan is not None:  # (None: in-flight writes alone fill it for now; retry anyway)
+                self._victims_gone(0, plan)
         self._warn("disk tier: filesystem full; evicting down to its space", effective_capacity=effective)
-        plan = self._reserve(0)
-        if plan is None:  # in-flight writes alone fill what is left
-            return False
-        self._victims_gone(0, plan)
-        return True
 
     def _fit_to_filesystem(self) -> int:
-        """Effective capacity = our files + the filesystem's free space - a margin (1/64 of
-        the filesystem, at most 1 GiB: the index, directories, block rounding), never above
-        the configured capacity. Returns it."""
+        """Effective capacity = our files + the filesystem's free space - a margin (room for
+        the index to grow, plus 1/64 of the filesystem, at most 1 GiB, for directories and
+        block rounding), never above the configured capacity. Returns it."""
         try:
             st = os.statvfs(self.path)
         except OSError as exc:
             self._warn("disk tier: cannot read the filesystem's free space", error=str(exc))
             return self.effective_capacity
-        margin = min(max(st.f_blocks * st.f_frsize // 64, 16 * st.f_frsize), 1 << 30)
+        margin = _diskindex.GROWTH_ROOM + min(max(st.f_blocks * st.f_frsize // 64, 16 * st.f_frsize), 1 << 30)
         with self._mu:
             self._space_checked = time.monotonic()
             before = self.effective_capacity

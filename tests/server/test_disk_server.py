@@ -404,9 +404,9 @@ def test_full_filesystem_evicts_and_keeps_accepting(small_fs: Path, spawn_server
     capacity and evicts older objects, so every PUT_ACK succeeds; STATS shows both
     capacities, and the effective one rises again when space comes back."""
     ballast = small_fs / "ballast"
-    ballast.write_bytes(bytes(3 * MiB))  # another user of the same filesystem
+    ballast.write_bytes(bytes(4 * MiB))  # another user of the same 16 MiB filesystem
     proc = spawn_server("--disk", str(small_fs / "data"), "--disk-limit", "64MiB", "--memory-limit", "1MiB")
-    keys = [f"full{i}" for i in range(120)]  # 30 MiB through ~5 MiB of free space
+    keys = [f"full{i}" for i in range(120)]  # 30 MiB through less than 12 MiB of free space
     with Wire(proc.host, proc.port) as w:
         for key in keys:
             reply, text = w.call(Command.PUT_ACK, key, value(key, 256 * KiB))
@@ -414,7 +414,7 @@ def test_full_filesystem_evicts_and_keeps_accepting(small_fs: Path, spawn_server
         tier = disk_tier(stats(w))
         assert tier["capacity"] == 64 * MiB
         lowered = tier["effective_capacity"]
-        assert 0 < lowered < 5 * MiB
+        assert 0 < lowered < 12 * MiB
         assert tier["bytes"] <= lowered and tier["evictions"] > 0 and tier["out_of_space"] > 0
         assert tier["write_errors"] == 0
         assert get_many(w, keys[-6:]) == [value(k, 256 * KiB) for k in keys[-6:]]  # from disk
@@ -429,3 +429,12 @@ def test_full_filesystem_evicts_and_keeps_accepting(small_fs: Path, spawn_server
         for i in range(more, more + 20):  # and the room is used
             w.put(f"more{i}", value(f"more{i}", 256 * KiB))
         assert disk_tier(stats(w))["bytes"] > lowered + MiB
+    assert proc.terminate() == 0  # with the filesystem full, across a restart
+    proc.restart()
+    last = f"more{more + 19}"
+    with Wire(proc.host, proc.port) as w:
+        assert w.get(last) == value(last, 256 * KiB)
+        for key in keys:
+            w.put(key, value(key, 256 * KiB))
+        assert get_many(w, keys[-6:]) == [value(k, 256 * KiB) for k in keys[-6:]]
+        assert disk_tier(stats(w))["effective_capacity"] < 16 * MiB

@@ -1,7 +1,7 @@
 """DiskTier against real files and a real SQLite index in tmp_path.
 
 The one fake: ``test_enospc_*`` replaces ``_diskfile.write_object`` to raise ENOSPC on a
-filesystem with room (nothing to evict helps); ``test_full_filesystem_*`` fills a real 8 MiB
+filesystem with room (nothing to evict helps); ``test_full_filesystem_*`` fills a real 16 MiB
 tmpfs (needs root to mount it; skipped otherwise), and ``test_real_write_error_*`` gets a
 real kernel error (EFBIG from RLIMIT_FSIZE) in a subprocess.
 """
@@ -555,7 +555,7 @@ async def test_enospc_on_write_is_declined_and_tier_keeps_serving(
 
 @pytest.mark.parametrize("fsync", ["never", "batch"])
 async def test_full_filesystem_evicts_lru_and_retries(small_fs: Path, fsync: FsyncPolicy) -> None:
-    """A real 8 MiB filesystem under a 64 MiB capacity: concurrent puts that run into ENOSPC
+    """A real 16 MiB filesystem under a 64 MiB capacity: concurrent puts that run into ENOSPC
     lower the effective capacity, evict older objects, retry and succeed."""
     root = small_fs / "disk"
     t = DiskTier(root, capacity=64 << 20, fsync=fsync)
@@ -568,13 +568,37 @@ async def test_full_filesystem_evicts_lru_and_retries(small_fs: Path, fsync: Fsy
             oks = await asyncio.gather(*(t.put(k, memoryview(objs[k]), META) for k in batch))
             assert all(oks), (start, t.usage())
         u = t.usage()
-        assert u.capacity == 64 << 20 and 0 < u.counters["effective_capacity"] < 8 << 20
+        assert u.capacity == 64 << 20 and 0 < u.counters["effective_capacity"] < 16 << 20
         assert u.bytes <= u.counters["effective_capacity"] and u.counters["evictions"] > 0
         assert u.counters["out_of_space"] > 0 and u.counters["write_errors"] == 0
         assert u.bytes == sum(p.stat().st_size for p in object_files(root))
         assert list((root / "tmp").iterdir()) == []
         for k in keys[-8:]:
             assert await get(t, k) == (objs[k], META)
+    finally:
+        await t.close()
+
+
+def fill_up(path: Path) -> None:
+    """Write ``path`` until its filesystem is full."""
+    with open(path, "wb", buffering=0) as f, contextlib.suppress(OSError):
+        while True:
+            f.write(bytes(64 << 10))
+
+
+async def test_open_on_a_full_filesystem_fails_plainly_and_keeps_the_index(small_fs: Path) -> None:
+    root = small_fs / "disk"
+    objs = await _fill(root, 20)
+    ballast = small_fs / "ballast"
+    fill_up(ballast)
+    with pytest.raises(OSError) as failed:
+        await reopen(root)
+    assert failed.value.errno == errno.ENOSPC and "full" in str(failed.value)
+    assert not (root / "index.sqlite3.corrupt").exists()  # a full disk is not a corrupt index
+    ballast.unlink()
+    t = await reopen(root)
+    try:
+        await _assert_all_served(t, objs)
     finally:
         await t.close()
 
