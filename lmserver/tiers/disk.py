@@ -690,7 +690,7 @@ class DiskTier(Tier):
                 self._db.submit(_diskindex.delete_many_op([k for k, _ in victims]))
             return pre, victims
 
-    def _victims_gone(self, size: int, plan: tuple[int, list[tuple[str, _Entry]]]) -> None:
+    def _victims_gone(self, size: int, plan: tuple[int, list[tuple[str, _Entry]]], hold: bool = True) -> None:
         pre, victims = plan
         handed: list[_DiskVictim] = []
         for key, entry in victims:
@@ -698,7 +698,7 @@ class DiskTier(Tier):
                 # A put of the same key may have renamed a new file over it meanwhile.
                 if key in self._entries:
                     continue
-                victim = self._set_aside(key, entry) if self._may_hold(entry.size) else None
+                victim = self._set_aside(key, entry) if hold and self._may_hold(entry.size) else None
                 if victim is None and self.on_evict is not None:
                     self._count("demotions_dropped")
                 if victim is None:
@@ -715,7 +715,7 @@ class DiskTier(Tier):
     def _may_hold(self, size: int) -> bool:
         """Whether an evicted file may wait for its demotion: a taker exists and what is
         already held stays within HELD_SHARE of the capacity (else it is dropped at once)."""
-        return self.on_evict is not None and self._held + size <= self.capacity // HELD_SHARE
+        return self.on_evict is not None and self._held + size <= self.effective_capacity // HELD_SHARE
 
     def _set_aside(self, key: str, entry: _Entry) -> _DiskVictim | None:
         """Move an evicted file out of its key's path (a new version may be written there)
@@ -877,7 +877,7 @@ class DiskTier(Tier):
             effective = self._fit_to_filesystem()
             plan = self._reserve(0)
             if plan is not None:  # (None: in-flight writes alone fill it for now; retry anyway)
-                self._victims_gone(0, plan)
+                self._victims_gone(0, plan, hold=False)  # set aside, they would free nothing
         self._warn("disk tier: filesystem full; evicting down to its space", effective_capacity=effective)
 
     def _fit_to_filesystem(self) -> int:
@@ -893,7 +893,7 @@ class DiskTier(Tier):
         with self._mu:
             self._space_checked = time.monotonic()
             before = self.effective_capacity
-            fits = self._bytes + self._doomed + st.f_bavail * st.f_frsize - margin
+            fits = self._bytes + self._doomed + self._held + st.f_bavail * st.f_frsize - margin
             self.effective_capacity = after = max(0, min(self.capacity, fits))
         if before < after == self.capacity:
             log.info("disk tier: filesystem has room again", path=str(self.path), capacity=after)

@@ -26,7 +26,7 @@ import pytest
 
 from lmproto import ObjectMeta
 from lmserver.tiers import _diskfile
-from lmserver.tiers.base import NoSpace
+from lmserver.tiers.base import NoSpace, Victim
 from lmserver.tiers.disk import DiskTier, FsyncPolicy
 
 META = ObjectMeta(fmt=1, dtype=3, shape=(2, 16, 256, 128), location=1)
@@ -461,6 +461,29 @@ async def test_disk_usage_never_exceeds_capacity(root: Path) -> None:
     assert 0 < peak <= capacity
 
 
+async def test_held_victims_count_without_emptying_the_tier(root: Path) -> None:
+    """Files held for demotion count against capacity: each put evicts enough to cover
+    them, not every object (which a total that stays over capacity would ask for)."""
+    t = DiskTier(root, capacity=100 * 10_100)
+    held: list[Victim] = []
+    t.on_evict = held.append  # a tier behind that has not finished demoting them
+    await t.open()
+    try:
+        fewest = 100
+        for i in range(300):
+            assert await t.put(f"k{i}", memoryview(payload(i, 10_000)), META)
+            if i >= 100:
+                fewest = min(fewest, t.usage().objects)
+        u = t.usage()
+        assert u.counters["held_bytes"] <= t.capacity // 8
+        assert fewest >= 100 - 2 * u.counters["held_bytes"] // 10_000 - 2, fewest  # never emptied
+        assert u.bytes + u.counters["held_bytes"] <= t.capacity + 2 * 10_100
+    finally:
+        for victim in held:
+            victim.release()
+        await t.close()
+
+
 async def test_object_larger_than_capacity_declined(root: Path) -> None:
     t = DiskTier(root, capacity=10_000)
     await t.open()
@@ -553,12 +576,18 @@ async def test_enospc_on_write_is_declined_and_tier_keeps_serving(
     assert await get(tier, "after") == (b"fine", META)
 
 
-@pytest.mark.parametrize("fsync", ["never", "batch"])
-async def test_full_filesystem_evicts_lru_and_retries(small_fs: Path, fsync: FsyncPolicy) -> None:
+@pytest.mark.parametrize(("fsync", "taker"), [("never", False), ("batch", True)])
+async def test_full_filesystem_evicts_lru_and_retries(
+    small_fs: Path, fsync: FsyncPolicy, taker: bool
+) -> None:
     """A real 16 MiB filesystem under a 64 MiB capacity: concurrent puts that run into ENOSPC
-    lower the effective capacity, evict older objects, retry and succeed."""
+    lower the effective capacity, evict older objects, retry and succeed (also while a
+    tier behind holds evicted files for demotion: they take space too)."""
     root = small_fs / "disk"
     t = DiskTier(root, capacity=64 << 20, fsync=fsync)
+    held: list[Victim] = []
+    if taker:
+        t.on_evict = held.append  # demotions that never finish during the test
     await t.open()
     try:
         objs = {f"k{i}": payload(i, 200_000) for i in range(150)}  # 30 MB
@@ -575,7 +604,10 @@ async def test_full_filesystem_evicts_lru_and_retries(small_fs: Path, fsync: Fsy
         assert list((root / "tmp").iterdir()) == []
         for k in keys[-8:]:
             assert await get(t, k) == (objs[k], META)
+        assert u.counters["held_bytes"] == sum(p.stat().st_size for p in files_under(root / "evicted"))
     finally:
+        for victim in held:
+            victim.release()
         await t.close()
 
 
