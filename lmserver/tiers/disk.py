@@ -660,20 +660,27 @@ class DiskTier(Tier):
 
         Invariant: bytes + reserved + doomed <= capacity and >= what is on disk. Victims
         move from ``bytes`` to ``doomed`` (still on disk); the put unlinks them before it
-        writes, then converts their share into its reservation (``_victims_gone``). After
-        the effective capacity was lowered (a full filesystem) the victims also cover the
-        excess, so the invariant holds again once they are gone.
+        writes, then converts their share into its reservation (``_victims_gone``). Files
+        held for demotion count too; when the total is over (held files, or an effective
+        capacity lowered by a full filesystem) the victims also cover the excess, so the
+        invariant holds again once they are gone.
         """
         with self._mu:
             if self._reserved + self._doomed + size > self.effective_capacity:
                 return None
             victims: list[tuple[str, _Entry]] = []
             mine = 0
-            # Files held for demotion count too: evict enough that the total fits once the
-            # victims are gone, also when it is over (held files, a lowered capacity).
+            # Room for this object now (victims not yet unlinked still take space), and no
+            # excess once every doomed file is gone: held files count, and the capacity may
+            # have been lowered. The excess leaves out other puts' victims, so concurrent
+            # puts do not each evict the same excess again.
             while self._entries and (
-                self._bytes + self._reserved + self._doomed + self._held - mine + size
-                > self.effective_capacity
+                (
+                    mine < size
+                    and self._bytes + self._reserved + self._doomed + self._held + size - mine
+                    > self.effective_capacity
+                )
+                or self._bytes + self._reserved + self._held + size > self.effective_capacity
             ):
                 key, entry = self._entries.popitem(last=False)
                 self._sorted.remove(key)
