@@ -8,8 +8,9 @@ in one system call; one reader task reads the replies in FIFO order into each wa
 sinks. A plain PUT queues no waiter, since it gets no reply; it returns once the kernel
 has its bytes. Any error or timeout mid-exchange closes the connection and fails every
 waiter on it with the same kind of error, so each is retried (or not) by the policy on a
-fresh connection. A few connections (``max_connections``) share the load: a new one is
-opened while every open one is busy.
+fresh connection. Per server, ``max_connections`` lanes share the load: every command on a
+key goes to its key's lane (see _placement), so a key's commands keep the caller's order;
+a lane's connection is opened when it is first needed.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
@@ -34,7 +35,8 @@ from ._exceptions import (
     WriteTimeout,
     map_exceptions,
 )
-from ._ops import BaseClient, Batch, Op, single
+from ._ops import BaseClient, Batch, Op
+from ._placement import Address
 from ._sync import Client
 from ._wire import IOV_MAX, Inbox, Received, advance, read_reply, readable_now
 
@@ -83,7 +85,6 @@ class _Connection:
         self._error: TransportError | None = None
         self.load = 0  # exchanges in progress
         self._writes = 0  # batches queued so far
-        self._last_put = 0  # the write holding a PUT not yet confirmed by a later reply
         # Outgoing bytes: queued by many coroutines, sent together by _flush.
         self._outbox: list[memoryview] = []
         self._queued = 0  # bytes ever queued
@@ -93,11 +94,11 @@ class _Connection:
         self._stall: asyncio.TimerHandle | None = None
 
     @classmethod
-    async def open(cls, settings: Settings) -> _Connection:
+    async def open(cls, settings: Settings, address: Address) -> _Connection:
         loop = asyncio.get_running_loop()
         with map_exceptions(CONNECT_ERRORS):
             async with asyncio.timeout(settings.timeout.connect):
-                infos = await loop.getaddrinfo(settings.host, settings.port, type=socket.SOCK_STREAM)
+                infos = await loop.getaddrinfo(address.host, address.port, type=socket.SOCK_STREAM)
                 return cls(await cls._connect_any(loop, infos), settings)
 
     @staticmethod
@@ -121,11 +122,6 @@ class _Connection:
     @property
     def usable(self) -> bool:
         return self._error is None
-
-    @property
-    def unconfirmed_put(self) -> bool:
-        """See ``Batch.leaves_put_unconfirmed``: new requests must follow this one."""
-        return self._last_put != 0 and self._error is None
 
     def dropped(self) -> bool:
         """Whether this idle connection has bytes nobody asked for, or an EOF: unusable."""
@@ -168,8 +164,6 @@ class _Connection:
         if self._error is not None:
             raise _like(self._error)
         self._writes += 1
-        if batch.leaves_put_unconfirmed:
-            self._last_put = self._writes
         end, sent = self._queue([buf for op in batch.ops for buf in op.buffers])
         if not any(op.expects_reply for op in batch.ops):
             await sent.wait()  # the caller may reuse its buffers once the kernel has them
@@ -242,8 +236,6 @@ class _Connection:
                     await self._read(op, limit) if op.expects_reply else None for op in waiter.batch.ops
                 ]
                 self._pending.popleft()
-                if waiter.index > self._last_put:
-                    self._last_put = 0  # answered after the PUT: the server has it
                 if not waiter.future.done():  # its coroutine may have been cancelled
                     waiter.future.set_result(results)
         except TransportError as exc:
@@ -292,9 +284,9 @@ class AsyncClient(BaseClient):
     event loop: their requests are pipelined on up to ``max_connections`` connections.
     Not thread-safe, and bound to the event loop it first ran on.
 
-    After a plain (unacknowledged) PUT, requests stay on its connection until a reply
-    there shows the server took the PUT in, so reads see earlier writes; acknowledged
-    PUTs (``ack=True``) spread over the pool.
+    Every command on a key goes to its key's connection (lane), so a ``get`` after a
+    plain ``put`` of the same key sees it, whatever other coroutines do; see `Client`
+    for ``servers`` (several servers, rendezvous hashing, down servers skipped).
 
     Cancelling a call abandons its answer, not its request: a request already sent still
     has its reply read (keeping the connection in step), so a cancelled ``get_into`` may
@@ -302,13 +294,15 @@ class AsyncClient(BaseClient):
     """
 
     def _init_io(self) -> None:
-        self._conns: list[_Connection] = []
-        self._connect_lock = asyncio.Lock()
+        lanes = self._settings.max_connections
+        self._lanes: list[list[_Connection | None]] = [[None] * lanes for _ in self._settings.servers]
+        self._connect_locks = [asyncio.Lock() for _ in self._settings.servers]
 
     async def aclose(self) -> None:
         """Close every connection; the client cannot be used afterwards."""
         self._closed = True
-        conns, self._conns = self._conns, []
+        conns = [conn for lanes in self._lanes for conn in lanes if conn is not None]
+        self._lanes = [[None] * len(lanes) for lanes in self._lanes]
         for conn in conns:
             conn.close(ReadError("the client was closed"))
         for conn in conns:
@@ -327,76 +321,102 @@ class AsyncClient(BaseClient):
     async def _sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
 
+    async def _run_all(self, batches: list[Batch]) -> list[list[Any]]:
+        """Each batch's results, the batches running concurrently (each on its own lane,
+        or pipelined on a shared one); the first error once all have finished."""
+        if len(batches) == 1:
+            return [await self._run(batches[0])]
+        results = await asyncio.gather(*(self._run(batch) for batch in batches), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return results  # type: ignore[return-value]
+
     async def _exchange(self, batch: Batch) -> Results:
         self._check_open()
-        conn = self._pick()
-        if conn is None:
-            async with self._connect_lock:
-                conn = self._pick()
-                if conn is None:
-                    conn = await _Connection.open(self._settings)
-                    self._conns.append(conn)
+        lanes = self._lanes[batch.server]
+        lane = self._pick(lanes) if batch.lane is None else batch.lane
+        conn = lanes[lane]
+        if conn is None or not conn.usable or conn.dropped():
+            if conn is not None and conn.usable:
+                conn.close(ReadError("the server closed the connection"))
+            async with self._connect_lock(batch.server):
+                self._check_open()
+                conn = lanes[lane]
+                if conn is None or not conn.usable:
+                    conn = await _Connection.open(self._settings, self._settings.servers[batch.server])
+                    lanes[lane] = conn
         return await conn.exchange(batch)
 
-    def _pick(self) -> _Connection | None:
-        """The connection holding an unconfirmed PUT, else the least busy one, or None
-        when a new one should be opened."""
-        for conn in self._conns:
-            if conn.usable and conn.dropped():
-                conn.close(ReadError("the server closed the connection"))
-        self._conns = [conn for conn in self._conns if conn.usable]
-        for conn in self._conns:
-            if conn.unconfirmed_put:
-                return conn
-        if not self._conns:
-            return None
-        best = min(self._conns, key=lambda conn: conn.load)
-        if best.load == 0 or len(self._conns) >= self._settings.max_connections:
-            return best
-        return None
+    def _connect_lock(self, server: int) -> asyncio.Lock:
+        return self._connect_locks[server]
+
+    @staticmethod
+    def _pick(lanes: list[_Connection | None]) -> int:
+        """For a command on no key: an idle open lane, else an unopened one, else the
+        least busy."""
+        live = [(conn.load, i) for i, conn in enumerate(lanes) if conn is not None and conn.usable]
+        if live and min(live)[0] == 0:
+            return min(live)[1]
+        unopened = [i for i, conn in enumerate(lanes) if conn is None or not conn.usable]
+        if unopened:
+            return unopened[0]
+        return min(live)[1]
+
+    def _open_lanes(self, server: int) -> list[int]:
+        return [i for i, conn in enumerate(self._lanes[server]) if conn is not None and conn.usable]
 
     # -- commands: documented on Client ----------------------------------------------
 
     async def put(self, key: str, data: Any, *, meta: ObjectMeta | None = None, ack: bool = False) -> None:
-        await self._call(single(self._commands.put(key, data, meta, ack)))
+        await self._call(self._single(self._commands.put(key, data, meta, ack)))
 
     async def get(self, key: str) -> bytes | None:
-        return await self._call(single(self._commands.get(key)))
+        return await self._call(self._single(self._commands.get(key)))
 
     async def get_with_meta(self, key: str) -> tuple[bytes, ObjectMeta] | None:
-        return await self._call(single(self._commands.get_with_meta(key)))
+        return await self._call(self._single(self._commands.get_with_meta(key)))
 
     async def get_into(self, key: str, buffer: Any) -> int | None:
-        return await self._call(single(self._commands.get_into(key, buffer)))
+        return await self._call(self._single(self._commands.get_into(key, buffer)))
 
     async def exists(self, key: str) -> bool:
-        return await self._call(single(self._commands.exists(key)))
+        return await self._call(self._single(self._commands.exists(key)))
+
+    async def put_many(self, keys: Sequence[str], data: Sequence[Any], *, ack: bool = False) -> None:
+        await self._call(self._put_many_flow(keys, data, ack))
+
+    async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        return await self._call(self._grouped([self._commands.get(k) for k in keys]))
+
+    async def get_many_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int | None]:
+        return await self._call(self._get_many_into_flow(keys, buffers))
 
     async def exists_many(self, keys: Iterable[str]) -> list[bool]:
         return await self._call(self._exists_many_flow(keys))
 
     async def delete(self, key: str) -> bool:
-        return await self._call(single(self._commands.delete(key)))
+        return await self._call(self._single(self._commands.delete(key)))
 
     async def health(self) -> bool:
         return await self._call(self._health_flow())
 
     async def stats(self) -> dict[str, Any]:
-        return await self._call(single(self._commands.stats()))
+        return await self._call(self._stats_flow())
 
     async def put_tensor(
         self, key: str, tensor: torch.Tensor, *, fmt: int = MemoryFormat.UNDEFINED, ack: bool = False
     ) -> None:
-        await self._call(single(self._put_tensor_op(key, tensor, fmt, ack)))
+        await self._call(self._single(self._put_tensor_op(key, tensor, fmt, ack)))
 
     async def get_tensor(self, key: str) -> torch.Tensor | None:
-        return await self._call(single(self._get_tensor_op(key, None)))
+        return await self._call(self._single(self._get_tensor_op(key, None)))
 
     async def get_tensor_into(self, key: str, tensor: torch.Tensor) -> torch.Tensor | None:
-        return await self._call(single(self._get_tensor_op(key, tensor)))
+        return await self._call(self._single(self._get_tensor_op(key, tensor)))
 
     async def list(self, prefix: str = "") -> list[str]:
-        return await self._call(single(self._commands.list(prefix)))
+        return await self._call(self._list_flow(prefix))
 
 
 for _name, _method in vars(AsyncClient).items():

@@ -7,10 +7,9 @@ the same arguments and decide the same way; only sleeping and waiting differ bet
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
-from urllib.parse import urlsplit
 
 from lmproto import Generation
 
@@ -21,6 +20,7 @@ from ._exceptions import (
     TimeoutException,
     TransportError,
 )
+from ._placement import Address
 
 DEFAULT_PORT = 65432
 """LMCache's customary ``lm://`` port."""
@@ -128,8 +128,7 @@ class Retry:
 class Settings:
     """Everything a client was configured with, validated once."""
 
-    host: str
-    port: int
+    servers: tuple[Address, ...]
     generation: Generation
     timeout: Timeout
     retry: Retry
@@ -137,10 +136,22 @@ class Settings:
     exist_many: ExistManyMode
     probe_timeout: float
 
+    @property
+    def host(self) -> str:
+        """The first server's host (the only one for a single-server client)."""
+        return self.servers[0].host
+
+    @property
+    def port(self) -> int:
+        return self.servers[0].port
+
+
+ServerSpec = str | tuple[str, int]
+"""A server given to a client: ``"host:port"``, ``"lm://host:port"`` or ``(host, port)``."""
+
 
 def make_settings(
-    host: str,
-    port: int,
+    servers: Sequence[ServerSpec],
     protocol: ProtocolName | Generation,
     timeout: float | Timeout,
     retry: int | Retry,
@@ -154,8 +165,11 @@ def make_settings(
         generation = Generation.V0 if protocol == "v0" else Generation.V1
     else:
         raise InvalidRequest(f"protocol must be 'v0' or 'v1', not {protocol!r}")
-    if not 0 < port < 65536:
-        raise InvalidRequest(f"port {port} out of range")
+    addresses = tuple(_address(spec) for spec in servers)
+    if not addresses:
+        raise InvalidRequest("at least one server is needed")
+    if len(set(addresses)) != len(addresses):
+        raise InvalidRequest(f"a server is listed twice: {', '.join(map(str, addresses))}")
     if max_connections < 1:
         raise InvalidRequest("max_connections must be at least 1")
     if exist_many not in ("auto", "always", "never"):
@@ -163,8 +177,7 @@ def make_settings(
     if not probe_timeout > 0:
         raise InvalidRequest("probe_timeout must be positive")
     return Settings(
-        host=host,
-        port=port,
+        servers=addresses,
         generation=generation,
         timeout=timeout if isinstance(timeout, Timeout) else Timeout(float(timeout)),
         retry=retry if isinstance(retry, Retry) else Retry(retries=retry),
@@ -174,13 +187,43 @@ def make_settings(
     )
 
 
-def parse_url(url: str) -> tuple[str, int]:
-    """``lm://host:port`` (as in LMCACHE_REMOTE_URL) to (host, port)."""
-    parts = urlsplit(url)
-    if parts.scheme != "lm" or not parts.hostname:
-        raise InvalidRequest(f"expected lm://host[:port], not {url!r}")
-    try:
-        port = parts.port
-    except ValueError as exc:
-        raise InvalidRequest(f"bad port in {url!r}") from exc
-    return parts.hostname, port or DEFAULT_PORT
+def _address(spec: ServerSpec) -> Address:
+    if isinstance(spec, str):
+        spec = spec.removeprefix("lm://")
+        found = parse_servers(f"lm://{spec}")
+        if len(found) != 1:
+            raise InvalidRequest(f"expected one host:port, not {spec!r}")
+        return found[0]
+    host, port = spec
+    if not host or not isinstance(port, int) or not 0 < port < 65536:
+        raise InvalidRequest(f"bad server address {spec!r} (port must be 1-65535)")
+    return Address(host, port)
+
+
+def parse_servers(url: str) -> list[Address]:
+    """``lm://host[:port][,host[:port]...]`` (LMCACHE_REMOTE_URL's form, with a comma-separated
+    server list) to addresses; the port defaults to 65432; IPv6 hosts go in brackets."""
+    scheme, sep, rest = url.partition("://")
+    if scheme != "lm" or not sep:
+        raise InvalidRequest(f"expected lm://host[:port][,host[:port]...], not {url!r}")
+    rest = rest.rstrip("/")
+    addresses = []
+    for part in rest.split(","):
+        part = part.strip()
+        if part.startswith("["):
+            host, bracket, tail = part[1:].partition("]")
+            if not bracket or (tail and not tail.startswith(":")):
+                raise InvalidRequest(f"bad IPv6 address in {url!r}")
+            port_text = tail[1:]
+        else:
+            host, _, port_text = part.partition(":")
+        if not host:
+            raise InvalidRequest(f"missing host in {url!r}")
+        try:
+            port = int(port_text) if port_text else DEFAULT_PORT
+        except ValueError:
+            raise InvalidRequest(f"bad port in {url!r}") from None
+        if not 0 < port < 65536:
+            raise InvalidRequest(f"port {port} out of range in {url!r}")
+        addresses.append(Address(host, port))
+    return addresses

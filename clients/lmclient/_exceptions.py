@@ -9,6 +9,7 @@
      │    │    └── PoolTimeout    (Client only) every connection stayed busy too long
      │    ├── NetworkError
      │    │    ├── ConnectError
+     │    │    │    └── ServerDown  a server of several failed recently; skipped for now
      │    │    ├── ReadError      includes the server closing the connection
      │    │    └── WriteError
      │    └── ProtocolError       the peer sent bytes that are not lm:// frames
@@ -66,6 +67,10 @@ class NetworkError(TransportError):
 
 class ConnectError(NetworkError):
     pass
+
+
+class ServerDown(ConnectError):
+    """The server failed recently and is skipped until its backoff ends (several servers)."""
 
 
 class ReadError(NetworkError):

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
+import time
 from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Self, TypeVar
@@ -39,10 +41,12 @@ from ._config import (
     ExistManyMode,
     ProtocolName,
     Retry,
+    ServerSpec,
     Settings,
     Timeout,
+    compute_backoff,
     make_settings,
-    parse_url,
+    parse_servers,
 )
 from ._exceptions import (
     BufferTooSmall,
@@ -50,13 +54,16 @@ from ._exceptions import (
     ConnectTimeout,
     InvalidRequest,
     LMClientError,
+    PoolTimeout,
     ProtocolError,
     ReadError,
     ReadTimeout,
+    ServerDown,
     ServerError,
     TransportError,
     WriteError,
 )
+from ._placement import Address, Placement
 from ._wire import Received, Sink, fresh_sink, readable_view, writable_view
 
 if TYPE_CHECKING:
@@ -79,11 +86,18 @@ EXIST_MANY_KEYS = 16384
 
 @dataclass(slots=True, eq=False)
 class Op(Generic[T]):
-    """One request; ``interpret`` is None for a plain PUT, which gets no reply."""
+    """One request; ``interpret`` is None for a plain PUT, which gets no reply.
+
+    ``key`` places it (see _placement); ``fallback`` is its result when its server is down
+    and the client has several servers (a miss, a dropped PUT), None where the caller must
+    hear of the failure (PUT_ACK).
+    """
 
     buffers: list[memoryview]
     interpret: Callable[[Received], T] | None
     sink: Sink = fresh_sink
+    key: str = ""
+    fallback: Callable[[], T] | None = None
 
     @property
     def expects_reply(self) -> bool:
@@ -92,26 +106,25 @@ class Op(Generic[T]):
 
 @dataclass(slots=True, eq=False)
 class Batch:
-    """Ops sent back to back on one connection; ``read_timeout`` overrides the client's."""
+    """Ops sent back to back on one connection; ``read_timeout`` overrides the client's.
+
+    ``server`` and ``lane`` say which connection: every op on a key travels in its key's
+    lane, so the server sees a key's commands in the order the caller issued them.
+    ``lane=None`` (commands on no key) takes whichever connection is free.
+    """
 
     ops: Sequence[Op[Any]]
     read_timeout: float | None = None
     probe: bool = False
     """The server may lack the command: only failures to connect are retried."""
-
-    @property
-    def leaves_put_unconfirmed(self) -> bool:
-        """Whether a plain PUT follows the batch's last reply: the server has not yet
-        confirmed (by answering something sent after it) that it has taken it in.
-
-        Both clients send every request to a connection carrying an unconfirmed PUT, so
-        the server takes them in after it: a read always sees the caller's earlier
-        writes, whatever connection the pool would have chosen.
-        """
-        return bool(self.ops) and not self.ops[-1].expects_reply
+    server: int = 0
+    lane: int | None = None
 
 
-Flow = Generator[Batch, list[Any], T]
+Step = Batch | list[Batch]
+"""What a flow yields: one batch (sent back its results), or batches for different
+connections that run concurrently (sent back each one's results, in order)."""
+Flow = Generator[Step, Any, T]
 
 
 def interpret(batch: Batch, received: Sequence[Received | None]) -> list[Any]:
@@ -120,11 +133,6 @@ def interpret(batch: Batch, received: Sequence[Received | None]) -> list[Any]:
         None if op.interpret is None or rcv is None else op.interpret(rcv)
         for op, rcv in zip(batch.ops, received, strict=True)
     ]
-
-
-def single(op: Op[T]) -> Flow[T]:
-    results = yield Batch([op])
-    return results[0]  # type: ignore[no-any-return]
 
 
 # ---------------------------------------------------------------------------------------
@@ -218,6 +226,7 @@ class Commands:
         body: memoryview | None = None,
         meta: ObjectMeta = NO_META,
         sink: Sink = fresh_sink,
+        fallback: Callable[[], T] | None = None,
     ) -> Op[T]:
         length = len(body) if body is not None else 0
         try:
@@ -228,7 +237,7 @@ class Commands:
         if length:
             assert body is not None
             buffers.append(body)
-        return Op(buffers, interpret, sink)
+        return Op(buffers, interpret, sink, key, fallback)
 
     def _keyed(self, key: str) -> str:
         if not key:
@@ -240,13 +249,25 @@ class Commands:
             raise InvalidRequest("v0 frames carry no metadata; use protocol='v1'")
         command = Command.PUT_ACK if ack else Command.PUT
         interpret = _check_ok("PUT_ACK") if ack else None
-        return self._op(command, interpret, self._keyed(key), readable_view(data), meta or NO_META)
+        # A plain PUT to a server that is down is dropped (and counted): fire-and-forget.
+        fallback = None if ack else _none
+        body = readable_view(data)
+        return self._op(command, interpret, self._keyed(key), body, meta or NO_META, fallback=fallback)
 
     def get(self, key: str) -> Op[bytes | None]:
-        return self._op(Command.GET, _body_bytes, self._keyed(key))
+        return self._op(Command.GET, _body_bytes, self._keyed(key), fallback=_none)
 
     def get_with_meta(self, key: str) -> Op[tuple[bytes, ObjectMeta] | None]:
-        return self._op(Command.GET, _with_meta, self._keyed(key))
+        return self._op(Command.GET, _with_meta, self._keyed(key), fallback=_none)
+
+    def get_with(self, key: str, sink: Sink, result: Callable[[Received], T | None]) -> Op[T | None]:
+        """A GET whose hit lands where ``sink`` says (chosen from the reply's metadata, as
+        the LMCache plugin does), returning ``result(received)``; None on a miss."""
+
+        def interpret(received: Received) -> T | None:
+            return None if _hit(received) is None else result(received)
+
+        return self._op(Command.GET, interpret, self._keyed(key), sink=sink, fallback=_none)
 
     def get_into(self, key: str, buffer: Any) -> Op[int | None]:
         view = writable_view(buffer)
@@ -254,7 +275,7 @@ class Commands:
         def into(reply: Reply) -> memoryview | LMClientError:
             return view if reply.length <= len(view) else BufferTooSmall(reply.length, len(view))
 
-        return self._op(Command.GET, _body_length, self._keyed(key), sink=into)
+        return self._op(Command.GET, _body_length, self._keyed(key), sink=into, fallback=_none)
 
     def get_tensor(self, key: str, sink: TensorSink) -> Op[torch.Tensor | None]:
         self._require_v1("tensor helpers")
@@ -262,10 +283,10 @@ class Commands:
         def interpret(received: Received) -> torch.Tensor | None:
             return None if _hit(received) is None else sink.tensor
 
-        return self._op(Command.GET, interpret, self._keyed(key), sink=sink)
+        return self._op(Command.GET, interpret, self._keyed(key), sink=sink, fallback=_none)
 
     def exists(self, key: str) -> Op[bool]:
-        return self._op(Command.EXIST, _yes_no("EXIST", Status.FAIL), self._keyed(key))
+        return self._op(Command.EXIST, _yes_no("EXIST", Status.FAIL), self._keyed(key), fallback=_false)
 
     def exist_many(self, keys: Sequence[str]) -> list[Op[list[bool]]]:
         ops: list[Op[list[bool]]] = []
@@ -275,28 +296,47 @@ class Commands:
                 body = memoryview(encode_key_list(chunk))
             except LocalProtocolError as exc:
                 raise InvalidRequest(str(exc)) from exc
-            ops.append(self._op(Command.EXIST_MANY, _presence(len(chunk)), body=body))
+            misses = _misses(len(chunk))
+            ops.append(self._op(Command.EXIST_MANY, _presence(len(chunk)), body=body, fallback=misses))
         return ops
 
     def delete(self, key: str) -> Op[bool]:
-        return self._op(Command.DELETE, _yes_no("DELETE", Status.NOT_FOUND), self._keyed(key))
+        deleted = _yes_no("DELETE", Status.NOT_FOUND)
+        return self._op(Command.DELETE, deleted, self._keyed(key), fallback=_false)
 
     def list(self, prefix: str) -> Op[list[str]]:
         # lmserver filters by the prefix sent as the key; filter again for servers that don't.
         def keys(body: memoryview) -> list[str]:
             return [k for k in decode_key_lines(body) if k.startswith(prefix)]
 
-        return self._op(Command.LIST, _decoded("LIST", keys), prefix)
+        return self._op(Command.LIST, _decoded("LIST", keys), prefix, fallback=list)
 
     def health(self) -> Op[bool]:
-        return self._op(Command.HEALTH, _health, HEALTH_KEY)
+        return self._op(Command.HEALTH, _health, HEALTH_KEY, fallback=_false)
+
+    def fence(self) -> Op[bool]:
+        """A cheap request whose reply shows that the server has taken in everything sent
+        before it on the same connection (EXIST exists in both frame generations)."""
+        return self._op(Command.EXIST, _yes_no("EXIST", Status.FAIL), HEALTH_KEY, fallback=_false)
 
     def stats(self) -> Op[dict[str, Any]]:
-        return self._op(Command.STATS, _decoded("STATS", decode_json))
+        return self._op(Command.STATS, _decoded("STATS", decode_json), fallback=dict)
 
     def _require_v1(self, what: str) -> None:
         if self.generation != Generation.V1:
             raise InvalidRequest(f"{what} need v1 metadata; this client speaks v0 (protocol='v0')")
+
+
+def _none() -> None:
+    return None
+
+
+def _false() -> bool:
+    return False
+
+
+def _misses(count: int) -> Callable[[], list[bool]]:
+    return lambda: [False] * count
 
 
 def _presence(count: int) -> Callable[[Received], list[bool]]:
@@ -323,14 +363,31 @@ def _means_unsupported(exc: LMClientError) -> bool:
 # the client base
 
 
+class _ServerState:
+    """Whether a server is believed down, and when to try it again (several servers only)."""
+
+    __slots__ = ("address", "failures", "retry_at")
+
+    def __init__(self, address: Address) -> None:
+        self.address = address
+        self.failures = 0  # consecutive failed exchanges
+        self.retry_at = 0.0  # time.monotonic() before which its keys miss without I/O
+
+
+DOWN_BACKOFF = Retry(retries=0, base=0.5, cap=30.0)
+"""How long a server that failed is skipped: 0.25-0.5 s after the first failure, doubling
+with each failed retry up to 15-30 s (jittered; see compute_backoff)."""
+
+
 class BaseClient:
-    """Configuration, validation and flows of both clients; subclasses add only I/O."""
+    """Configuration, validation, placement and flows of both clients; subclasses add only I/O."""
 
     def __init__(
         self,
         host: str = "127.0.0.1",
         port: int = DEFAULT_PORT,
         *,
+        servers: Sequence[ServerSpec] | None = None,
         protocol: ProtocolName | Generation = "v1",
         timeout: float | Timeout = DEFAULT_TIMEOUT,
         retry: int | Retry = 3,
@@ -339,9 +396,22 @@ class BaseClient:
         probe_timeout: float = 2.0,
     ) -> None:
         self._settings: Settings = make_settings(
-            host, port, protocol, timeout, retry, max_connections, exist_many, probe_timeout
+            servers if servers is not None else [(host, port)],
+            protocol,
+            timeout,
+            retry,
+            max_connections,
+            exist_many,
+            probe_timeout,
         )
         self._commands = Commands(self._settings.generation)
+        self._placement = Placement(self._settings.servers, max_connections)
+        self._servers = [_ServerState(address) for address in self._settings.servers]
+        # With several servers, one that is down must not fail the caller: its keys miss.
+        # With one, the caller hears of the failure (it has nowhere else to go).
+        self._skip_down = len(self._servers) > 1
+        self._counts = {"unavailable": 0, "dropped_puts": 0, "server_down": 0}
+        self._counts_lock = threading.Lock()
         self._exist_many: bool | None = {"auto": None, "always": True, "never": False}[exist_many]
         self._closed = False
         self._init_io()
@@ -351,18 +421,31 @@ class BaseClient:
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> Self:
-        """A client for ``lm://host:port`` (LMCache's ``LMCACHE_REMOTE_URL`` form)."""
-        host, port = parse_url(url)
-        return cls(host, port, **kwargs)
+        """A client for ``lm://host:port`` (LMCache's ``LMCACHE_REMOTE_URL`` form), or for
+        several servers: ``lm://h1:p1,h2:p2,...``."""
+        return cls(servers=parse_servers(url), **kwargs)
 
     @property
     def settings(self) -> Settings:
         return self._settings
 
+    @property
+    def counters(self) -> dict[str, int]:
+        """Client-side counters: ``unavailable`` (operations answered as a miss because
+        their server was down), ``dropped_puts`` (plain PUTs among them), ``server_down``
+        (times a server was found down). Always zero with a single server."""
+        with self._counts_lock:
+            return dict(self._counts)
+
+    def server_for(self, key: str) -> str:
+        """``host:port`` of the server that holds ``key`` (rendezvous hashing)."""
+        return str(self._settings.servers[self._placement.server(key)])
+
     def __repr__(self) -> str:
         s = self._settings
         state = "closed" if self._closed else "open"
-        return f"<{type(self).__name__} lm://{s.host}:{s.port} {s.generation.name.lower()} {state}>"
+        servers = ",".join(map(str, s.servers))
+        return f"<{type(self).__name__} lm://{servers} {s.generation.name.lower()} {state}>"
 
     def _check_open(self) -> None:
         if self._closed:
@@ -370,33 +453,71 @@ class BaseClient:
 
     # -- running flows: the one loop both clients use ---------------------------------
     #
-    # Written once as coroutines over two I/O primitives, ``_exchange`` and ``_sleep``.
-    # AsyncClient awaits them on its event loop; Client implements both as blocking calls
-    # that never suspend, so it runs these coroutines to completion with a single
-    # ``send(None)`` (see _sync.run_blocking), without an event loop.
+    # Written once as coroutines over three I/O primitives: ``_exchange``, ``_sleep`` and
+    # ``_open_lanes``. AsyncClient awaits them on its event loop; Client implements them
+    # as blocking calls that never suspend, so it runs these coroutines to completion with
+    # a single ``send(None)`` (see _sync.run_blocking), without an event loop.
 
     async def _exchange(self, batch: Batch) -> list[Received | None]:
-        """Send ``batch`` on one connection and read its replies (None for a PUT)."""
+        """Send ``batch`` on its connection and read its replies (None for a PUT)."""
         raise NotImplementedError
 
     async def _sleep(self, seconds: float) -> None:
         raise NotImplementedError
 
+    def _open_lanes(self, server: int) -> list[int]:
+        """The lanes of ``server`` that have a live connection (which may hold PUTs)."""
+        raise NotImplementedError
+
     async def _call(self, flow: Flow[T]) -> T:
-        """Run ``flow``: each batch it yields goes to `_run`, its result or error back in."""
+        """Run ``flow``: each step it yields goes to `_run`/`_run_all`, results or error back."""
         try:
-            batch = next(flow)
+            step = next(flow)
             while True:
                 try:
-                    results = await self._run(batch)
+                    results = await (self._run(step) if isinstance(step, Batch) else self._run_all(step))
                 except LMClientError as exc:
-                    batch = flow.throw(exc)
+                    step = flow.throw(exc)
                 else:
-                    batch = flow.send(results)
+                    step = flow.send(results)
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
 
+    async def _run_all(self, batches: list[Batch]) -> list[list[Any]]:
+        """Each batch's results, in order; the first error once all have run. One after
+        the other here (blocking I/O); AsyncClient runs them concurrently."""
+        results: list[list[Any]] = []
+        error: LMClientError | None = None
+        for batch in batches:
+            try:
+                results.append(await self._run(batch))
+            except LMClientError as exc:
+                error = error or exc
+                results.append([])
+        if error is not None:
+            raise error
+        return results
+
     async def _run(self, batch: Batch) -> list[Any]:
+        """One batch's results; a server that is down answers with the ops' fallbacks."""
+        server = self._servers[batch.server]
+        if self._skip_down and time.monotonic() < server.retry_at:
+            return self._unavailable(batch, None)
+        try:
+            results = await self._attempts(batch)
+        except TransportError as exc:
+            # A probe's read failure means "no such command", not "server down".
+            down = not batch.probe or isinstance(exc, ConnectError | ConnectTimeout)
+            if not self._skip_down or isinstance(exc, PoolTimeout) or not down:
+                raise
+            self._mark_down(server, exc)
+            return self._unavailable(batch, exc)
+        if server.failures:
+            log.info("lm://%s is back after %d failed attempts", server.address, server.failures)
+            server.failures = 0
+        return results
+
+    async def _attempts(self, batch: Batch) -> list[Any]:
         """One batch's results, retried on fresh connections as the policy allows."""
         for attempt in itertools.count():
             try:
@@ -410,7 +531,85 @@ class BaseClient:
                 await self._sleep(delay)
         raise AssertionError("unreachable")
 
+    def _mark_down(self, server: _ServerState, exc: TransportError) -> None:
+        server.failures += 1
+        wait = compute_backoff(server.failures - 1, base=DOWN_BACKOFF.base, cap=DOWN_BACKOFF.cap)
+        server.retry_at = time.monotonic() + wait
+        with self._counts_lock:
+            self._counts["server_down"] += 1
+        # One line per failed retry of that server, at most one per backoff period.
+        log.warning(
+            "lm://%s is down (%s: %s); its keys miss for %.1fs", server.address, type(exc).__name__, exc, wait
+        )
+
+    def _unavailable(self, batch: Batch, exc: TransportError | None) -> list[Any]:
+        """The ops' fallbacks (misses, dropped PUTs), or the error where one has none."""
+        if any(op.fallback is None for op in batch.ops):
+            address = self._servers[batch.server].address
+            raise exc or ServerDown(f"lm://{address} is down; retrying it later")
+        with self._counts_lock:
+            self._counts["unavailable"] += len(batch.ops)
+            self._counts["dropped_puts"] += sum(1 for op in batch.ops if op.interpret is None)
+        return [op.fallback() for op in batch.ops if op.fallback is not None]
+
     # -- flows ------------------------------------------------------------------------
+
+    def _single(self, op: Op[T]) -> Flow[T]:
+        """One op on a key, in its key's lane."""
+        results = yield Batch([op], server=self._placement.server(op.key), lane=self._placement.lane(op.key))
+        return results[0]  # type: ignore[no-any-return]
+
+    def _grouped(self, ops: Sequence[Op[Any]], window: int = EXIST_WINDOW) -> Flow[list[Any]]:
+        """Ops on keys, each in its key's lane: one pipelined batch (of at most ``window``
+        ops) per lane, all lanes and servers at once; results in the ops' order."""
+        placement = self._placement
+        lanes: dict[tuple[int, int], list[int]] = {}
+        for index, op in enumerate(ops):
+            lanes.setdefault((placement.server(op.key), placement.lane(op.key)), []).append(index)
+        batches: list[Batch] = []
+        members: list[list[int]] = []
+        for (server, lane), indexes in lanes.items():
+            for start in range(0, len(indexes), window):
+                part = indexes[start : start + window]
+                batches.append(Batch([ops[i] for i in part], server=server, lane=lane))
+                members.append(part)
+        parts = yield batches
+        results: list[Any] = [None] * len(ops)
+        for part, got in zip(members, parts, strict=True):
+            for index, result in zip(part, got, strict=True):
+                results[index] = result
+        return results
+
+    def _everywhere(self, make: Callable[[], Op[T]], read_timeout: float | None = None) -> Flow[list[T]]:
+        """One op (on no key) sent to every server; results in server order."""
+        batches = [
+            Batch([make()], read_timeout=read_timeout, server=index) for index in range(len(self._servers))
+        ]
+        parts = yield batches
+        return [part[0] for part in parts]
+
+    def _fences(self) -> Flow[None]:
+        """Wait until every server has taken in every PUT already sent on any lane, so a
+        command that reads many keys (LIST) sees them all."""
+        batches = [
+            Batch([self._commands.fence()], server=server, lane=lane)
+            for server in range(len(self._servers))
+            for lane in self._open_lanes(server)
+        ]
+        if batches:
+            yield batches
+
+    def _put_many_flow(self, keys: Sequence[str], data: Sequence[Any], ack: bool) -> Flow[None]:
+        if len(keys) != len(data):
+            raise InvalidRequest(f"{len(keys)} keys but {len(data)} objects")
+        put = self._commands.put
+        yield from self._grouped([put(k, d, None, ack) for k, d in zip(keys, data, strict=True)])
+
+    def _get_many_into_flow(self, keys: Sequence[str], buffers: Sequence[Any]) -> Flow[list[int | None]]:
+        if len(keys) != len(buffers):
+            raise InvalidRequest(f"{len(keys)} keys but {len(buffers)} buffers")
+        ops = [self._commands.get_into(k, b) for k, b in zip(keys, buffers, strict=True)]
+        return (yield from self._grouped(ops))
 
     def _put_tensor_op(self, key: str, tensor: torch.Tensor, fmt: int, ack: bool) -> Op[None]:
         from ._tensor import tensor_bytes, tensor_meta
@@ -425,13 +624,26 @@ class BaseClient:
 
     def _health_flow(self) -> Flow[bool]:
         # Bounded by probe_timeout: a health check must answer quickly, and upstream v0
-        # servers never answer HEALTH at all.
-        batch = Batch([self._commands.health()], read_timeout=self._settings.probe_timeout)
+        # servers never answer HEALTH at all. Healthy means every server answers.
         try:
-            return bool((yield batch)[0])
+            answers = yield from self._everywhere(self._commands.health, self._settings.probe_timeout)
         except TransportError as exc:
             log.debug("health check failed: %s", exc)
             return False
+        return all(answers)
+
+    def _stats_flow(self) -> Flow[dict[str, Any]]:
+        stats = yield from self._everywhere(self._commands.stats)
+        if len(stats) == 1:
+            return stats[0]
+        return {str(state.address): part for state, part in zip(self._servers, stats, strict=True)}
+
+    def _list_flow(self, prefix: str) -> Flow[list[str]]:
+        yield from self._fences()
+        parts = yield from self._everywhere(lambda: self._commands.list(prefix))
+        if len(parts) == 1:
+            return parts[0]
+        return list(dict.fromkeys(key for part in parts for key in part))
 
     def _exists_many_flow(self, keys: Iterable[str]) -> Flow[list[bool]]:
         keys = list(keys)
@@ -440,19 +652,34 @@ class BaseClient:
         commands = self._commands
         if self._exist_many is not False:
             probing = self._exist_many is None
-            timeout = self._settings.probe_timeout if probing else None
-            ops = commands.exist_many(keys)
-            try:
-                parts = yield Batch(ops, read_timeout=timeout, probe=probing)
-            except (ServerError, TransportError) as exc:
-                if not (probing and _means_unsupported(exc)):
-                    raise
-                log.info("server lacks EXIST_MANY (%s); using pipelined EXISTs", exc)
-                self._exist_many = False
-            else:
-                self._exist_many = True
-                return [hit for part in parts for hit in part]
-        hits: list[bool] = []
-        for start in range(0, len(keys), EXIST_WINDOW):
-            hits += yield Batch([commands.exists(k) for k in keys[start : start + EXIST_WINDOW]])
-        return hits
+            # One EXIST_MANY per lane holding some of the keys, each in that lane, so it
+            # is served after every earlier PUT of its keys (read-your-writes).
+            placement = self._placement
+            lanes: dict[tuple[int, int], list[int]] = {}
+            for index, key in enumerate(keys):
+                lanes.setdefault((placement.server(key), placement.lane(key)), []).append(index)
+            batches = [
+                Batch(commands.exist_many([keys[i] for i in indexes]), server=server, lane=lane)
+                for (server, lane), indexes in lanes.items()
+            ]
+            parts: list[list[list[bool]]] = []
+            if probing:  # one lane's request first: probe once, with a short timeout
+                batches[0].probe, batches[0].read_timeout = True, self._settings.probe_timeout
+                try:
+                    parts.append((yield batches.pop(0)))
+                except (ServerError, TransportError) as exc:
+                    if not _means_unsupported(exc):
+                        raise
+                    log.info("server lacks EXIST_MANY (%s); using pipelined EXISTs", exc)
+                    self._exist_many = False
+                else:
+                    self._exist_many = True
+            if self._exist_many is not False:
+                if batches:
+                    parts += yield batches
+                hits = [False] * len(keys)
+                for indexes, part in zip(lanes.values(), parts, strict=True):
+                    for index, hit in zip(indexes, (h for chunk in part for h in chunk), strict=True):
+                        hits[index] = hit
+                return hits
+        return (yield from self._grouped([commands.exists(k) for k in keys]))

@@ -1,10 +1,11 @@
 """`Client`: the blocking client. Only socket I/O lives here; see _ops for the logic.
 
-Strategy: a small pool of blocking sockets. A thread checks a connection out, runs one
-batch on it (send everything, then read the replies in order) and checks it back in; a
-connection that failed mid-exchange is closed instead, so a half-finished exchange is
-never reused. An idle connection that has become readable (the server closed it, e.g. it
-restarted) is dropped at checkout, before a fire-and-forget PUT could vanish into it.
+Strategy: per server, one blocking socket per lane (see _placement). A thread checks a
+lane out (a key's lane, or any free one for commands on no key), runs one batch on it
+(send everything, then read the replies in order) and checks it back in; a connection
+that failed mid-exchange is closed instead, so a half-finished exchange is never reused.
+An idle connection that has become readable (the server closed it, e.g. it restarted) is
+dropped at checkout, before a fire-and-forget PUT could vanish into it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Coroutine, Iterable
+from collections.abc import Coroutine, Iterable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
@@ -26,7 +27,8 @@ from ._exceptions import (
     PoolTimeout,
     map_exceptions,
 )
-from ._ops import BaseClient, Batch, Flow, Op, single
+from ._ops import BaseClient, Batch, Flow, Op
+from ._placement import Address
 from ._wire import IOV_MAX, Inbox, Received, advance, read_reply, readable_now
 
 if TYPE_CHECKING:
@@ -48,10 +50,10 @@ def run_blocking(coro: Coroutine[Any, Any, T]) -> T:
 class _Connection:
     """One blocking socket; used by one thread at a time (the pool sees to that)."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, address: Address) -> None:
         timeout = settings.timeout
         with map_exceptions(CONNECT_ERRORS):
-            self._sock = socket.create_connection((settings.host, settings.port), timeout=timeout.connect)
+            self._sock = socket.create_connection(address, timeout=timeout.connect)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._generation = settings.generation
         self._timeout = timeout
@@ -86,86 +88,84 @@ class _Connection:
 
 
 class _Pool:
-    """At most ``max_connections`` connections, handed to one thread at a time.
+    """One server's connections: one per lane, each used by one thread at a time.
 
-    After a plain PUT, until a later reply on its connection confirms the server took it
-    in, every thread waits for that connection (see ``Batch.leaves_put_unconfirmed``).
+    A request on a key waits for its key's lane (see _placement), so a key's requests
+    reach the server in the caller's order; a request on no key takes any free lane.
     """
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, address: Address) -> None:
         self._settings = settings
-        self._idle: list[_Connection] = []
-        self._sticky: _Connection | None = None  # holds a PUT the server has not confirmed
-        self._count = 0
+        self._address = address
+        lanes = settings.max_connections
+        self._conns: list[_Connection | None] = [None] * lanes
+        self._busy = [False] * lanes
         self._closed = False
         self._cond = threading.Condition()
 
-    def acquire(self) -> _Connection:
+    def acquire(self, lane: int | None) -> tuple[int, _Connection]:
+        """A lane's live connection, opened if need be; the lane is this thread's until
+        `release` or `discard`."""
         deadline = time.monotonic() + self._settings.timeout.pool
         with self._cond:
             while True:
-                conn = self._take_idle()
-                if conn is not None:
-                    return conn
-                if self._sticky is None and self._count < self._settings.max_connections:
-                    self._count += 1
+                chosen = self._free(lane)
+                if chosen is not None:
+                    self._busy[chosen] = True
+                    conn = self._conns[chosen]
                     break
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._cond.wait(left):
                     raise PoolTimeout(f"no free connection in {self._settings.timeout.pool}s")
         try:
-            return _Connection(self._settings)
+            if conn is not None and conn.dropped():
+                conn.close()
+                conn = None
+            if conn is None:
+                conn = _Connection(self._settings, self._address)
         except BaseException:
             with self._cond:
-                self._count -= 1
+                self._conns[chosen] = None
+                self._busy[chosen] = False
                 self._cond.notify_all()
             raise
+        return chosen, conn
 
-    def _take_idle(self) -> _Connection | None:
-        """An idle live connection: the one holding an unconfirmed PUT if there is one."""
-        while True:
-            if self._sticky is not None:
-                if self._sticky not in self._idle:
-                    return None  # busy: wait for it
-                self._idle.remove(self._sticky)
-                conn = self._sticky
-            elif self._idle:
-                conn = self._idle.pop()
-            else:
-                return None
-            if not conn.dropped():
-                return conn
-            self._forget(conn)
+    def _free(self, lane: int | None) -> int | None:
+        if lane is not None:
+            return None if self._busy[lane] else lane
+        idle = [i for i, busy in enumerate(self._busy) if not busy]
+        opened = [i for i in idle if self._conns[i] is not None]
+        candidates = opened or idle
+        return candidates[0] if candidates else None
 
-    def release(self, conn: _Connection, unconfirmed_put: bool) -> None:
+    def open_lanes(self) -> list[int]:
+        with self._cond:
+            return [i for i, conn in enumerate(self._conns) if conn is not None]
+
+    def release(self, lane: int, conn: _Connection) -> None:
         with self._cond:
             if self._closed:  # the client was closed while this thread used it
-                self._forget(conn)
-                return
-            if unconfirmed_put:
-                self._sticky = conn
-            elif self._sticky is conn:
-                self._sticky = None
-            self._idle.append(conn)
+                conn.close()
+                conn = None  # type: ignore[assignment]
+            self._conns[lane] = conn
+            self._busy[lane] = False
             self._cond.notify_all()
 
-    def discard(self, conn: _Connection) -> None:
-        with self._cond:
-            self._forget(conn)
-            self._cond.notify_all()
-
-    def _forget(self, conn: _Connection) -> None:
+    def discard(self, lane: int, conn: _Connection) -> None:
         conn.close()
-        self._count -= 1
-        if self._sticky is conn:
-            self._sticky = None  # its PUTs are lost with it: fire-and-forget
+        with self._cond:
+            self._conns[lane] = None
+            self._busy[lane] = False
+            self._cond.notify_all()
 
     def close(self) -> None:
         with self._cond:
             self._closed = True
-            idle, self._idle = self._idle, []
-            for conn in idle:
-                self._forget(conn)
+            for lane, conn in enumerate(self._conns):
+                if conn is not None and not self._busy[lane]:
+                    conn.close()
+                    self._conns[lane] = None
             self._cond.notify_all()
 
 
@@ -185,18 +185,24 @@ class Client(BaseClient):
       ``probe_timeout``) and falls back to pipelined EXISTs if the server lacks it;
       ``"always"`` or ``"never"`` skip the probe.
 
-    A plain PUT gets no reply, so until a later reply on its connection confirms it,
-    every request goes to that connection (after the PUT, in order): reads see earlier
-    writes. Acknowledged PUTs (``ack=True``) use the whole pool in parallel.
+    - ``servers``: several servers instead of ``host``/``port`` (``["h1:p1", ("h2", p2)]``;
+      ``from_url("lm://h1:p1,h2:p2")``): each key lives on one, chosen by rendezvous
+      hashing. A server that fails is skipped for a backoff period: its keys miss, plain
+      PUTs to it are dropped (see `counters`), PUT_ACK raises `ServerDown`.
+
+    Every command on a key goes to that key's connection (a stable hash of the key picks
+    one of ``max_connections`` per server), so the server serves a key's commands in the
+    caller's order: a ``get`` after a plain ``put`` sees it, from any thread.
     """
 
     def _init_io(self) -> None:
-        self._pool = _Pool(self._settings)
+        self._pools = [_Pool(self._settings, address) for address in self._settings.servers]
 
     def close(self) -> None:
         """Close every connection; the client cannot be used afterwards."""
         self._closed = True
-        self._pool.close()
+        for pool in self._pools:
+            pool.close()
 
     def __enter__(self) -> Self:
         return self
@@ -216,14 +222,18 @@ class Client(BaseClient):
 
     async def _exchange(self, batch: Batch) -> list[Received | None]:  # blocking
         self._check_open()
-        conn = self._pool.acquire()
+        pool = self._pools[batch.server]
+        lane, conn = pool.acquire(batch.lane)
         try:
             received = conn.exchange(batch)
         except BaseException:
-            self._pool.discard(conn)
+            pool.discard(lane, conn)
             raise
-        self._pool.release(conn, batch.leaves_put_unconfirmed)
+        pool.release(lane, conn)
         return received
+
+    def _open_lanes(self, server: int) -> list[int]:
+        return self._pools[server].open_lanes()
 
     # -- commands ---------------------------------------------------------------------
 
@@ -235,15 +245,15 @@ class Client(BaseClient):
         lmserver extension) and raises `ServerError` unless the object was stored.
         ``meta`` (v1 only) is stored with the object and returned by `get_with_meta`.
         """
-        self._drive(single(self._commands.put(key, data, meta, ack)))
+        self._drive(self._single(self._commands.put(key, data, meta, ack)))
 
     def get(self, key: str) -> bytes | None:
         """The object under ``key``, or None on a miss. (`get_into` avoids the copy.)"""
-        return self._drive(single(self._commands.get(key)))
+        return self._drive(self._single(self._commands.get(key)))
 
     def get_with_meta(self, key: str) -> tuple[bytes, ObjectMeta] | None:
         """The object and its v1 metadata (`lmproto.NO_META` over v0), or None on a miss."""
-        return self._drive(single(self._commands.get_with_meta(key)))
+        return self._drive(self._single(self._commands.get_with_meta(key)))
 
     def get_into(self, key: str, buffer: Any) -> int | None:
         """Receive the object straight into ``buffer``; returns its length, None on a miss.
@@ -252,10 +262,22 @@ class Client(BaseClient):
         CPU torch tensor. An object larger than it raises `BufferTooSmall` (the buffer is
         left untouched and the connection stays usable).
         """
-        return self._drive(single(self._commands.get_into(key, buffer)))
+        return self._drive(self._single(self._commands.get_into(key, buffer)))
 
     def exists(self, key: str) -> bool:
-        return self._drive(single(self._commands.exists(key)))
+        return self._drive(self._single(self._commands.exists(key)))
+
+    def put_many(self, keys: Sequence[str], data: Sequence[Any], *, ack: bool = False) -> None:
+        """`put` of each ``(key, data)`` pair, pipelined per connection and server."""
+        self._drive(self._put_many_flow(keys, data, ack))
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """`get` of each key, pipelined per connection and server; results in order."""
+        return self._drive(self._grouped([self._commands.get(k) for k in keys]))
+
+    def get_many_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int | None]:
+        """`get_into` of each key into its buffer, pipelined; lengths (None: miss) in order."""
+        return self._drive(self._get_many_into_flow(keys, buffers))
 
     def exists_many(self, keys: Iterable[str]) -> list[bool]:
         """Presence of each key, in order: one EXIST_MANY round trip where the server has
@@ -264,7 +286,7 @@ class Client(BaseClient):
 
     def delete(self, key: str) -> bool:
         """Remove ``key``; False if it was not there (lmserver extension)."""
-        return self._drive(single(self._commands.delete(key)))
+        return self._drive(self._single(self._commands.delete(key)))
 
     def health(self) -> bool:
         """True if the server answers HEALTH with success within ``probe_timeout``; False
@@ -273,23 +295,23 @@ class Client(BaseClient):
 
     def stats(self) -> dict[str, Any]:
         """The server's counters as a dict (lmserver extension)."""
-        return self._drive(single(self._commands.stats()))
+        return self._drive(self._stats_flow())
 
     def put_tensor(
         self, key: str, tensor: torch.Tensor, *, fmt: int = MemoryFormat.UNDEFINED, ack: bool = False
     ) -> None:
         """Store a CPU contiguous tensor with its dtype and shape (<= 4 dims) as v1 metadata."""
-        self._drive(single(self._put_tensor_op(key, tensor, fmt, ack)))
+        self._drive(self._single(self._put_tensor_op(key, tensor, fmt, ack)))
 
     def get_tensor(self, key: str) -> torch.Tensor | None:
         """A new tensor of the stored dtype and shape, received in place; None on a miss."""
-        return self._drive(single(self._get_tensor_op(key, None)))
+        return self._drive(self._single(self._get_tensor_op(key, None)))
 
     def get_tensor_into(self, key: str, tensor: torch.Tensor) -> torch.Tensor | None:
         """Receive into ``tensor``, which must have the stored dtype and shape (else
         `TensorMismatch`, with ``tensor`` untouched). Returns ``tensor``; None on a miss."""
-        return self._drive(single(self._get_tensor_op(key, tensor)))
+        return self._drive(self._single(self._get_tensor_op(key, tensor)))
 
     def list(self, prefix: str = "") -> list[str]:
         """Keys starting with ``prefix`` (the server may cap how many it sends)."""
-        return self._drive(single(self._commands.list(prefix)))
+        return self._drive(self._list_flow(prefix))
