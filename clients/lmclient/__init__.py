@@ -1,8 +1,9 @@
 """lmclient: sync and async clients for lmserver and LMCache ``lm://`` servers.
 
 ``Client`` (blocking, thread-safe) and ``AsyncClient`` (asyncio) have the same methods:
-put/get/get_into/get_with_meta/exists/exists_many/delete/list/health/stats and the torch
-helpers put_tensor/get_tensor/get_tensor_into. Both speak either frame generation
+put/get/get_into/get_with_meta/exists/exists_many/delete/list/health/stats, the batched
+put_many/get_many/get_many_into, and the torch helpers put_tensor/get_tensor/get_tensor_into.
+One client can spread keys over several servers (rendezvous hashing). Both speak either frame generation
 (``protocol="v1"``, the default, or ``"v0"``), reconnect with jittered backoff, and bound
 every wait with a timeout. Only the standard library and ``lmproto`` are imported; torch
 only when a tensor helper runs.
@@ -23,6 +24,7 @@ from ._exceptions import (
     ProtocolError,
     ReadError,
     ReadTimeout,
+    ServerDown,
     ServerError,
     TensorMismatch,
     TimeoutException,
@@ -50,6 +52,7 @@ __all__ = [
     "ReadError",
     "ReadTimeout",
     "Retry",
+    "ServerDown",
     "ServerError",
     "TensorMismatch",
     "Timeout",
