@@ -394,6 +394,7 @@ class BaseClient:
         max_connections: int = 4,
         exist_many: ExistManyMode = "auto",
         probe_timeout: float = 2.0,
+        skip_down: bool | None = None,
     ) -> None:
         self._settings: Settings = make_settings(
             servers if servers is not None else [(host, port)],
@@ -408,8 +409,8 @@ class BaseClient:
         self._placement = Placement(self._settings.servers, max_connections)
         self._servers = [_ServerState(address) for address in self._settings.servers]
         # With several servers, one that is down must not fail the caller: its keys miss.
-        # With one, the caller hears of the failure (it has nowhere else to go).
-        self._skip_down = len(self._servers) > 1
+        # With one, by default the caller hears of the failure (it has nowhere else to go).
+        self._skip_down = len(self._servers) > 1 if skip_down is None else skip_down
         self._counts = {"unavailable": 0, "dropped_puts": 0, "server_down": 0}
         self._counts_lock = threading.Lock()
         self._exist_many: bool | None = {"auto": None, "always": True, "never": False}[exist_many]

@@ -189,6 +189,8 @@ class Client(BaseClient):
       ``from_url("lm://h1:p1,h2:p2")``): each key lives on one, chosen by rendezvous
       hashing. A server that fails is skipped for a backoff period: its keys miss, plain
       PUTs to it are dropped (see `counters`), PUT_ACK raises `ServerDown`.
+    - ``skip_down``: whether a failed server is skipped like that (default: with several
+      servers only; with one, calls raise the error after their retries).
 
     Every command on a key goes to that key's connection (a stable hash of the key picks
     one of ``max_connections`` per server), so the server serves a key's commands in the
