@@ -210,10 +210,12 @@ def test_async_methods_mirror_the_sync_ones() -> None:
     assert AsyncClient.get_into.__doc__ == Client.get_into.__doc__
 
 
-def test_import_pulls_in_neither_the_server_nor_torch() -> None:
+def test_import_pulls_in_neither_the_server_nor_torch_nor_lmcache() -> None:
+    # lmclient.lmcache (the LMCache plugin) is imported by LMCache alone, never by lmclient.
     code = (
         "import sys, lmclient; "
-        "bad = [m for m in ('lmserver', 'torch', 'numpy', 'structlog') if m in sys.modules]; "
+        "bad = [m for m in ('lmserver', 'torch', 'numpy', 'structlog', 'lmcache', 'lmclient.lmcache') "
+        "if m in sys.modules]; "
         "print(bad)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
