@@ -89,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     sg.add_argument("--disk-args", default="--fsync never", help="extra lmserver flags with --disk")
     sg.add_argument("--lmserver-cmd", help="command that starts lmserver instead of 'python -m lmserver'")
     sg.add_argument("--out", help="output folder (default bench/results/<UTC timestamp>-streamget)")
+    lc = sub.add_parser("lmcache", help="LMCache RemoteBackend: built-in lm:// connector vs lmclient plugin")
+    lc.add_argument("--chunks", type=int, default=200, help="KV chunks stored, looked up and retrieved")
+    lc.add_argument("--chunk-size", default="4M", help="bytes per chunk")
+    lc.add_argument("--rounds", type=int, default=3, help="rounds, each way once a round (medians)")
+    lc.add_argument("--lookups", type=int, default=20, help="prefix lookups timed per round")
+    lc.add_argument("--out", help="output folder (default bench/results/<UTC timestamp>-lmcache)")
+    lc.add_argument("--no-latest", action="store_true", help="do not copy lmcache.json/md to bench/latest")
     return ap
 
 
@@ -345,6 +352,22 @@ class Runner:
     started = ""
 
 
+def lmcache(args: argparse.Namespace) -> int:
+    from .lmcache_engine import format_lmcache, run_lmcache_bench
+
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    out = Path(args.out) if args.out else REPO / "bench" / "results" / f"{stamp}-lmcache"
+    doc = run_lmcache_bench(args.chunks, report.parse_size(args.chunk_size), args.rounds, args.lookups, out)
+    text = format_lmcache(doc)
+    (out / "lmcache.md").write_text(text + "\n")
+    print(text)
+    if not args.no_latest:
+        LATEST.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(out / "lmcache.json", LATEST / "lmcache.json")
+        shutil.copy2(out / "lmcache.md", LATEST / "lmcache.md")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     started = dt.datetime.now(dt.UTC)
     out = Path(args.out) if args.out else REPO / "bench" / "results" / started.strftime("%Y%m%dT%H%M%SZ")
@@ -383,4 +406,6 @@ def main(argv: list[str] | None = None) -> int:
         return restart(args)
     if args.cmd == "stream-get":
         return stream_get(args)
+    if args.cmd == "lmcache":
+        return lmcache(args)
     return 2
