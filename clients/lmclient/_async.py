@@ -340,16 +340,13 @@ class AsyncClient(BaseClient):
         if conn is None or not conn.usable or conn.dropped():
             if conn is not None and conn.usable:
                 conn.close(ReadError("the server closed the connection"))
-            async with self._connect_lock(batch.server):
+            async with self._connect_locks[batch.server]:
                 self._check_open()
                 conn = lanes[lane]
                 if conn is None or not conn.usable:
                     conn = await _Connection.open(self._settings, self._settings.servers[batch.server])
                     lanes[lane] = conn
         return await conn.exchange(batch)
-
-    def _connect_lock(self, server: int) -> asyncio.Lock:
-        return self._connect_locks[server]
 
     @staticmethod
     def _pick(lanes: list[_Connection | None]) -> int:

@@ -2,10 +2,15 @@
 
 Strategy: an `Op` is one request (its header and body buffers) plus how to receive and
 interpret its reply; a `Batch` is ops sent back to back on one connection (pipelined) and
-retried together. A *flow* is a generator that yields batches and gets their results back
-(or has the batch's error thrown in), which lets a command need several round trips
-(EXIST_MANY with its fallback). `BaseClient` runs flows, with retries, in one coroutine
-over two I/O primitives that `Client` and `AsyncClient` implement: that is all they add.
+retried together. Which connection is decided here, once for both clients (_placement): a
+key's server by rendezvous hashing, and within it the key's *lane*, so every command on a
+key travels on one socket and the server serves them in the caller's order. A *flow* is a
+generator that yields batches (or a list of batches for different connections, run
+concurrently) and gets their results back (or has the error thrown in), which lets a
+command need several round trips (EXIST_MANY with its fallback) or span servers.
+`BaseClient` runs flows, with retries and skipping of servers that are down, in one
+coroutine over a few I/O primitives that `Client` and `AsyncClient` implement: that is all
+they add.
 """
 
 from __future__ import annotations
@@ -533,6 +538,8 @@ class BaseClient:
         raise AssertionError("unreachable")
 
     def _mark_down(self, server: _ServerState, exc: TransportError) -> None:
+        if time.monotonic() < server.retry_at:
+            return  # a concurrent request already found it down: one failure, one backoff step
         server.failures += 1
         wait = compute_backoff(server.failures - 1, base=DOWN_BACKOFF.base, cap=DOWN_BACKOFF.cap)
         server.retry_at = time.monotonic() + wait

@@ -147,8 +147,7 @@ class _Pool:
         with self._cond:
             if self._closed:  # the client was closed while this thread used it
                 conn.close()
-                conn = None  # type: ignore[assignment]
-            self._conns[lane] = conn
+            self._conns[lane] = None if self._closed else conn
             self._busy[lane] = False
             self._cond.notify_all()
 
@@ -180,7 +179,7 @@ class Client(BaseClient):
       <= 0.3 servers). lmserver accepts both on one port.
     - ``timeout``: seconds, or a `Timeout` for connect/read/write/pool separately.
     - ``retry``: retries after a network error, or a `Retry` policy (backoff, timeouts).
-    - ``max_connections``: sockets kept open for concurrent threads.
+    - ``max_connections``: connections per server; each key's commands use one of them.
     - ``exist_many``: ``"auto"`` tries the EXIST_MANY extension once (bounded by
       ``probe_timeout``) and falls back to pipelined EXISTs if the server lacks it;
       ``"always"`` or ``"never"`` skip the probe.

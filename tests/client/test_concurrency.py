@@ -170,8 +170,9 @@ def slow_relay(server_thread: Any) -> Iterator[SlowOddConnections]:
 
 
 def test_threads_read_their_writes_behind_a_slow_connection(slow_relay: Any, protocol: str) -> None:
-    # The old sticky-connection design missed here almost every time: thread A's PUT on a
-    # slow connection, thread B's PUT moved "the" sticky connection, A's GET overtook.
+    # Whatever the timing, a key's PUT and GET share one connection, so the GET cannot
+    # overtake the PUT. (The coroutine twin below failed with the former design, which
+    # followed "the" connection holding an unconfirmed PUT: two could hold one.)
     with Client(slow_relay.host, slow_relay.port, protocol=protocol, max_connections=4) as client:
 
         def worker(n: int) -> int:

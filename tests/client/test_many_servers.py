@@ -3,13 +3,15 @@ multi-key commands, and a server that is down (its keys miss, then it comes back
 
 from __future__ import annotations
 
+import asyncio
+import socket
 import time
 from collections import Counter
 from typing import Any
 
 import pytest
 
-from lmclient import Client, InvalidRequest, Retry, ServerDown
+from lmclient import AsyncClient, Client, InvalidRequest, Retry, ServerDown
 from lmclient._config import parse_servers
 from lmclient._placement import Address, Placement, key_hash
 
@@ -123,3 +125,17 @@ def test_a_stopped_server_misses_then_comes_back(make_client: Any, three: list[A
         time.sleep(0.05)
     assert client.get(some) == b"back"
     assert client.health()
+
+
+async def test_a_burst_against_a_down_server_is_one_failure(server_thread: Any) -> None:
+    with socket.socket() as probe:  # a port nothing listens on: connections are refused
+        probe.bind(("127.0.0.1", 0))
+        dead = probe.getsockname()[1]
+    servers = [(server_thread.host, server_thread.port), ("127.0.0.1", dead)]
+    async with AsyncClient(servers=servers, retry=FAST_RETRY) as client:
+        keys = [k for k in KEYS if client.server_for(k) == f"127.0.0.1:{dead}"][:50]
+        assert await asyncio.gather(*(client.get(k) for k in keys)) == [None] * 50
+        # 50 concurrent failures are one failed attempt: one backoff step, one log line
+        assert client.counters["server_down"] == 1
+        assert client.counters["unavailable"] == 50
+        assert await client.exists_many(KEYS[:20]) == [False] * 20  # nothing stored on either
