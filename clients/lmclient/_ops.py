@@ -267,9 +267,12 @@ class Commands:
 
     def get_with(self, key: str, sink: Sink, result: Callable[[Received], T | None]) -> Op[T | None]:
         """A GET whose hit lands where ``sink`` says (chosen from the reply's metadata, as
-        the LMCache plugin does), returning ``result(received)``; None on a miss."""
+        the LMCache plugin does), returning ``result(received)``; None on a miss, and when
+        the sink refused the object (it was drained; the sink knows why)."""
 
         def interpret(received: Received) -> T | None:
+            if received.reply.status == Status.SUCCESS and received.refusal is not None:
+                return None
             return None if _hit(received) is None else result(received)
 
         return self._op(Command.GET, interpret, self._keyed(key), sink=sink, fallback=_none)

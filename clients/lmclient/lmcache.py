@@ -74,14 +74,23 @@ class _Allocation:
     """The sink of one GET: allocates the MemoryObj the reply's metadata describes and has
     the body received into it. A retried GET frees the previous attempt's object first."""
 
-    __slots__ = ("backend", "obj")
+    __slots__ = ("backend", "obj", "refused")
 
     def __init__(self, backend: Any) -> None:
         self.backend = backend
         self.obj: MemoryObj | None = None
+        self.refused: LMClientError | None = None  # why the object was drained: a miss
 
     def __call__(self, reply: Reply) -> memoryview | LMClientError:
         self.release()
+        self.refused = self._target(reply)
+        if self.refused is not None:
+            self.release()
+            return self.refused
+        assert self.obj is not None
+        return writable_view(self.obj.byte_array)
+
+    def _target(self, reply: Reply) -> LMClientError | None:
         meta = reply.meta
         dtype = INT_TO_DTYPE.get(meta.dtype)
         try:
@@ -91,14 +100,14 @@ class _Allocation:
         if dtype is None:
             return InvalidRequest(f"the object has no tensor dtype (code {meta.dtype})")
         shape = strip_shape_padding(list(meta.shape), fmt)
-        obj = self.backend.allocate(shape, dtype, fmt)
-        if obj is None:
-            return BufferTooSmall(reply.length, 0, "LMCache's allocator has no room for the object")
-        self.obj = obj
-        view = writable_view(obj.byte_array)
-        if len(view) < reply.length:
-            return BufferTooSmall(reply.length, len(view))
-        return view
+        # Never busy_loop: this runs on LMCache's event loop, which must keep serving the
+        # puts and gets that free memory. No room now is a miss.
+        self.obj = self.backend.allocate(shape, dtype, fmt, busy_loop=False)
+        if self.obj is None:
+            return BufferTooSmall(reply.length, 0, "LMCache's CPU buffer has no room for the object")
+        if len(self.obj.byte_array) != reply.length:
+            return BufferTooSmall(reply.length, len(self.obj.byte_array), "metadata and length disagree")
+        return None
 
     def take(self, received: Received) -> MemoryObj:
         obj, self.obj = self.obj, None
@@ -255,7 +264,7 @@ class LMServerConnector(RemoteConnector):  # type: ignore[misc]
             for key, sink in zip(keys, sinks, strict=True)
         ]
         try:
-            return await self.client._call(self.client._grouped(ops))
+            found: Found = await self.client._call(self.client._grouped(ops))
         except asyncio.CancelledError:
             for sink in sinks:
                 sink.release()
@@ -265,6 +274,10 @@ class LMServerConnector(RemoteConnector):  # type: ignore[misc]
                 sink.release()
             self._failed("get", exc)
             return [None] * len(keys)
+        for sink in sinks:
+            if sink.refused is not None:
+                self._failed("get (refused)", sink.refused)
+        return found
 
     def support_batched_put(self) -> bool:
         return True

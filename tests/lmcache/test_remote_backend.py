@@ -129,3 +129,19 @@ def test_three_servers_one_stopped(engines: Any, make_server_thread: Any, spawn_
     engine.store(more, [engine.chunk(i) for i in range(100, 130)])
     hits = [engine.backend.contains(k) for k in more]
     assert hits == [client.server_for(k.to_string()) != url(servers[2])[5:] for k in more]
+
+
+def test_retrieve_beyond_the_cpu_buffer_misses_without_blocking(engines: Any, server_thread: Any) -> None:
+    """LMCache's allocator full: the plugin never waits for memory on LMCache's event loop
+    (nothing could free it meanwhile); the chunks that do not fit are misses."""
+    engine = engines([url(server_thread)], "plugin", cpu_gib=1 / 1024)  # room for ~60 chunks
+    keys = [chunk_key(i) for i in range(100)]
+    for start in range(0, 100, 25):
+        engine.store(keys[start : start + 25], [engine.chunk(i) for i in range(start, start + 25)])
+    assert engine.lookup(keys) == 100
+    got = engine.retrieve(keys)
+    fitted = [i for i, obj in enumerate(got) if obj is not None]
+    assert 0 < len(fitted) < 100
+    assert engine.connector.errors["get (refused)"] == 100 - len(fitted)
+    check_retrieved([got[i] for i in fitted], fitted)
+    check_retrieved(engine.retrieve(keys[90:]), range(90, 100))  # memory back: served again
