@@ -145,3 +145,18 @@ def test_retrieve_beyond_the_cpu_buffer_misses_without_blocking(engines: Any, se
     assert engine.connector.errors["get (refused)"] == 100 - len(fitted)
     check_retrieved([got[i] for i in fitted], fitted)
     check_retrieved(engine.retrieve(keys[90:]), range(90, 100))  # memory back: served again
+
+
+def test_plugin_in_the_scheduler_role(engines: Any, server_thread: Any) -> None:
+    """LMCache's scheduler creates connectors without a CPU backend or metadata, only to
+    look keys up; the plugin works there too."""
+    from lmcache.v1.storage_backend.connector import CreateConnector
+
+    engine = engines([url(server_thread)], "plugin")
+    engine.store([chunk_key(7)], [engine.chunk(7)])
+    scheduler = CreateConnector("plugin://lmserver", engine.loop, None, engine.config, None, "lmserver")
+    try:
+        assert scheduler.exists_sync(chunk_key(7)) and not scheduler.exists_sync(chunk_key(8))
+        assert scheduler.batched_contains([chunk_key(7), chunk_key(8)]) == 1
+    finally:
+        engine.run(scheduler.close())
