@@ -50,11 +50,10 @@ Results = list[Received | None]
 class _Waiter:
     """A batch whose requests are queued or sent and whose replies are awaited."""
 
-    __slots__ = ("batch", "future", "index", "sent")
+    __slots__ = ("batch", "future", "sent")
 
-    def __init__(self, batch: Batch, index: int, sent: asyncio.Event) -> None:
+    def __init__(self, batch: Batch, sent: asyncio.Event) -> None:
         self.batch = batch
-        self.index = index  # which write on its connection
         self.sent = sent  # set once the kernel has all of the batch's bytes
         self.future: asyncio.Future[Results] = asyncio.get_running_loop().create_future()
 
@@ -84,7 +83,7 @@ class _Connection:
         self._reader: asyncio.Task[None] | None = None
         self._error: TransportError | None = None
         self.load = 0  # exchanges in progress
-        self._writes = 0  # batches queued so far
+        self._writes = 0  # batches queued so far (tests check which connection a key used)
         # Outgoing bytes: queued by many coroutines, sent together by _flush.
         self._outbox: list[memoryview] = []
         self._queued = 0  # bytes ever queued
@@ -171,7 +170,7 @@ class _Connection:
                 assert self._error is not None
                 raise _like(self._error)
             return [None] * len(batch.ops)
-        waiter = _Waiter(batch, self._writes, sent)
+        waiter = _Waiter(batch, sent)
         self._pending.append(waiter)
         if self._reader is None:
             self._reader = self._loop.create_task(self._read_replies())
