@@ -163,8 +163,8 @@ def run(config: ServerConfig) -> int:
         nonlocal signals
         signals += 1
         if signals == 1:
+            server.request_stop()  # first: nothing (a failing log write included) may prevent it
             log.info("stopping", signal=signal.Signals(signum).name, timeout_s=config.shutdown_timeout)
-            server.request_stop()
         else:
             log.warning("second signal: exiting now")
             raise SystemExit(1)
