@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,15 +58,45 @@ class ServerConfig:
     log_format: Literal["auto", "console", "json"] = "auto"
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port {self.port} out of range")
-        if self.memory_limit <= 0:
-            raise ValueError("memory limit must be positive")
-        if not 0 <= self.max_object_size <= 2**31 - 1:
-            raise ValueError("max object size must fit the protocol's int32 length (< 2 GiB)")
+        """Every option's range, checked once at startup: a bad value is one clear error
+        (the CLI prints it and exits 2), never a failure later while serving."""
+        _check(bool(self.host), "--host must not be empty")
+        _check(0 <= self.port <= 65535, f"--port {self.port} is out of range 0-65535")
+        _choice("--protocol", self.protocol, ("auto", "v0", "v1"))
+        _check(self.memory_limit > 0, "--memory-limit must be positive")
+        _check(
+            1 <= self.max_object_size <= 2**31 - 1,
+            "--max-object-size must be 1 byte to 2GiB - 1 (the protocol's int32 length)",
+        )
+        _check(self.disk_limit > 0, "--disk-limit must be positive")
+        _choice("--fsync", self.fsync, ("always", "batch", "never"))
+        _check(self.write_behind_limit > 0, "--write-behind-limit must be positive")
+        _check(self.max_connections >= 1, "--max-connections must be at least 1")
+        _check(self.max_list_keys >= 1, "--max-list-keys must be at least 1")
+        _seconds("--memory-wait", self.put_wait_timeout)
+        _seconds("--shutdown-timeout", self.shutdown_timeout)
+        _choice("--loop", self.loop, ("auto", "uvloop", "asyncio"))
+        _check(
+            self.log_level.upper() in logging.getLevelNamesMapping(),
+            f"--log-level {self.log_level!r} is not a log level",
+        )
+        _choice("--log-format", self.log_format, ("auto", "console", "json"))
         if self.max_object_size > self.memory_limit:
             object.__setattr__(self, "max_object_size", self.memory_limit)
         for text in self.tiers:
             TierSpec.parse(text)  # syntax only; the kind's own options are checked at startup
-        if self.max_connections < 1:
-            raise ValueError("max connections must be at least 1")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _choice(option: str, value: str, choices: tuple[str, ...]) -> None:
+    _check(value in choices, f"{option} {value!r} is not one of {', '.join(choices)}")
+
+
+def _seconds(option: str, value: float, *, positive: bool = False) -> None:
+    """A duration: finite, and >= 0 (or > 0 where zero would mean "no time at all")."""
+    ok = math.isfinite(value) and (value > 0 if positive else value >= 0)
+    _check(ok, f"{option} must be a finite number of seconds {'> 0' if positive else '>= 0'}, not {value}")
