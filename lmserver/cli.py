@@ -161,6 +161,40 @@ def main() -> None:
     help="Connections served at once; more are closed on accept.",
 )
 @click.option(
+    "--max-connections-per-address",
+    type=click.IntRange(1),
+    default=1024,
+    envvar=_env("MAX_CONNECTIONS_PER_ADDRESS"),
+    show_envvar=True,
+    help="Connections served at once from one client address; more are closed on accept.",
+)
+@click.option(
+    "--idle-timeout",
+    type=click.FloatRange(0),
+    default=60.0,
+    envvar=_env("IDLE_TIMEOUT"),
+    show_envvar=True,
+    help="Seconds after which an idle connection is closed, while more than 3/4 of "
+    "--max-connections are open (0: never).",
+)
+@click.option(
+    "--header-timeout",
+    type=click.FloatRange(0),
+    default=10.0,
+    envvar=_env("HEADER_TIMEOUT"),
+    show_envvar=True,
+    help="Seconds a request header may take from its first byte to its last (0: no limit).",
+)
+@click.option(
+    "--body-timeout",
+    type=click.FloatRange(0),
+    default=30.0,
+    envvar=_env("BODY_TIMEOUT"),
+    show_envvar=True,
+    help="Seconds a request body, or replies the client does not read, may make no progress "
+    "before the connection is closed (0: no limit).",
+)
+@click.option(
     "--protocol",
     type=click.Choice(["auto", "v0", "v1"]),
     default="auto",

@@ -49,6 +49,11 @@ class ServerConfig:
     tiers: tuple[str, ...] = ()
     # Connections and requests
     max_connections: int = 4096
+    max_connections_per_address: int = 1024
+    # Timeouts (seconds; README "Limits and timeouts"). 0 turns one off.
+    idle_timeout: float = 60.0  # idle connections closed after this, while over 3/4 of max_connections
+    header_timeout: float = 10.0  # a request header must complete this soon after its first byte
+    body_timeout: float = 30.0  # a body, or replies the peer does not read, without progress this long
     max_list_keys: int = 1_000_000
     put_wait_timeout: float = 5.0  # how long a PUT waits for memory before it is refused
     shutdown_timeout: float = 10.0  # graceful drain bound on SIGTERM/SIGINT
@@ -72,6 +77,10 @@ class ServerConfig:
         _choice("--fsync", self.fsync, ("always", "batch", "never"))
         _check(self.write_behind_limit > 0, "--write-behind-limit must be positive")
         _check(self.max_connections >= 1, "--max-connections must be at least 1")
+        _check(self.max_connections_per_address >= 1, "--max-connections-per-address must be at least 1")
+        _seconds("--idle-timeout", self.idle_timeout)
+        _seconds("--header-timeout", self.header_timeout)
+        _seconds("--body-timeout", self.body_timeout)
         _check(self.max_list_keys >= 1, "--max-list-keys must be at least 1")
         _seconds("--memory-wait", self.put_wait_timeout)
         _seconds("--shutdown-timeout", self.shutdown_timeout)
@@ -96,7 +105,7 @@ def _choice(option: str, value: str, choices: tuple[str, ...]) -> None:
     _check(value in choices, f"{option} {value!r} is not one of {', '.join(choices)}")
 
 
-def _seconds(option: str, value: float, *, positive: bool = False) -> None:
-    """A duration: finite, and >= 0 (or > 0 where zero would mean "no time at all")."""
-    ok = math.isfinite(value) and (value > 0 if positive else value >= 0)
-    _check(ok, f"{option} must be a finite number of seconds {'> 0' if positive else '>= 0'}, not {value}")
+def _seconds(option: str, value: float) -> None:
+    _check(
+        math.isfinite(value) and value >= 0, f"{option} must be a finite number of seconds >= 0, not {value}"
+    )

@@ -20,12 +20,26 @@ Strategy:
   transport's buffer has drained: the write-buffer limits are (0, 0), so the loop reports
   every partial write with ``pause_writing`` and the full drain with ``resume_writing``.
   That is also the backpressure: while anything is unsent, the connection reads nothing.
+* A PUT's memory is charged as its body arrives, not when its header announces it: a fresh
+  buffer (an untouched anonymous mmap, see pool.py) is charged for what is already staged
+  plus one staging size, and ``get_buffer`` lets the socket fill only the charged part.
+  Each time it is full the charge doubles (evicting LRU objects as needed, or waiting up to
+  ``--memory-wait`` for pinned memory, then refusing the rest of the body). A header that
+  announces 1 GiB and sends nothing holds 64 KiB, so it can neither flush the cache nor
+  block other PUTs; a body that stops for ``--body-timeout`` is cut off. A reused buffer is
+  already resident and counted, so it is charged in full at once (the fast path).
+* Staging buffers come from a shared free list; a connection that received nothing since
+  the last sweep gives its buffer back, so an idle connection holds none (a few KiB of
+  Python objects, not 64 KiB).
+* Timeouts are checked by a periodic sweep (``sweep``, run by the server), never per
+  request: the read path only counts bytes received and requests parsed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import fcntl
+import mmap
 import socket
 import sys
 import termios
@@ -68,6 +82,9 @@ throttled = ThrottledWarnings(log)
 STAGING_SIZE = 64 * 1024
 """Header staging buffer: holds ~400 pipelined requests; at most this much of a body is copied."""
 
+STAGING_KEPT = 64
+"""Idle staging buffers kept on the shared free list (4 MiB); more are freed."""
+
 FLUSH_THRESHOLD = 4 * 1024 * 1024
 """Reply bytes queued in one callback before they are written without waiting for its end."""
 
@@ -78,6 +95,8 @@ MAX_ACKS_IN_FLIGHT = 1024
 """PUT_ACKs of one connection that may wait for the disk at once before it stops reading."""
 
 _EMPTY = memoryview(b"")
+_NO_STAGING = bytearray()  # what a connection holds while it has no staging buffer
+_free_staging: list[mmap.mmap] = []  # shared by every connection (list ops are atomic)
 _SUCCESS, _FAIL = int(Status.SUCCESS), int(Status.FAIL)  # plain ints: cheaper dict keys on the hot path
 
 
@@ -127,8 +146,8 @@ class LMProtocol(asyncio.BufferedProtocol):
         )
         # Bodiless replies of this connection's generation, encoded once.
         self._canned = _CANNED[self.generation] if self.generation is not None else {}
-        self.staging = bytearray(STAGING_SIZE)
-        self.staging_view = memoryview(self.staging)
+        self.staging: bytearray | mmap.mmap = _NO_STAGING  # taken from the free list when needed
+        self.staging_view = _EMPTY
         self.start = 0  # staged bytes not yet parsed are staging[start:end]
         self.end = 0
         self.replies: list[bytes | memoryview] = []
@@ -143,10 +162,22 @@ class LMProtocol(asyncio.BufferedProtocol):
         self.busy = False  # an awaited operation is in flight; parsing waits for it
         self.closing = False  # finish the current request, then close
         self.closed = False
+        self.address: str | None = None  # counted against max_connections_per_address
+        # Progress, for the timeout sweep: counted on the read path, compared by ``sweep``.
+        self.received = 0
+        self.parsed = 0
+        self._seen_received = -1
+        self._quiet_since = 0.0
+        self._header_since: float | None = None
+        self._seen_parsed = 0
+        self._seen_unsent = -1
+        self._send_since = 0.0
 
         # Per-request state: where the current body goes and what happens when it is in
         self.body: memoryview | None = None
         self.body_pos = 0
+        self.body_limit = 0  # the socket may fill body[body_pos:body_limit] (charged memory)
+        self.body_request: Request | None = None  # the PUT being received, if any
         self.body_done: Callable[[], None] | None = None
         self.body_entry: Entry | None = None  # a PUT's reservation, aborted if cut short
         self.discard_left = 0
@@ -167,17 +198,33 @@ class LMProtocol(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
         self.peer = transport.get_extra_info("peername")
-        if self.state.shutting_down or len(self.state.connections) >= self.config.max_connections:
+        address = self.peer[0] if isinstance(self.peer, tuple) and self.peer else None
+        per_address = self.state.connections_per_address
+        if self.state.shutting_down:
+            reason = "shutting down"
+        elif len(self.state.connections) >= self.config.max_connections:
+            reason = "max connections reached"
+        elif address is not None and per_address[address] >= self.config.max_connections_per_address:
+            reason = "max connections per address reached"
+            self.counters["connections_refused_per_address"] += 1
+        else:
+            reason = ""
+        if reason:
             self.counters["connections_refused"] += 1
             throttled.warning(
                 "connection refused",
                 peer=self.peer,
-                reason="shutting down" if self.state.shutting_down else "max connections reached",
+                reason=reason,
                 max_connections=self.config.max_connections,
+                max_connections_per_address=self.config.max_connections_per_address,
             )
             self.closed = True
             self.transport.abort()  # type: ignore[union-attr]
             return
+        if address is not None:
+            self.address = address
+            per_address[address] += 1
+        self._quiet_since = asyncio.get_running_loop().time()
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -192,6 +239,12 @@ class LMProtocol(asyncio.BufferedProtocol):
         self.state.connections.discard(self)
         if not self.state.connections:
             self.state.no_connections.set()
+        if self.address is not None:
+            per_address = self.state.connections_per_address
+            per_address[self.address] -= 1
+            if not per_address[self.address]:
+                del per_address[self.address]
+            self.address = None
         if self.body_entry is not None:
             # A body cut short (a PUT's, or a control body's): its reservation is given
             # back and, for a PUT, never published.
@@ -199,7 +252,9 @@ class LMProtocol(asyncio.BufferedProtocol):
             self.store.abort(self.body_entry)
             self.body_entry = None
         self._release_pins()
-        self.body = None
+        self.body = self.body_request = None
+        self.start = self.end = 0
+        self._give_staging()
         log.debug("connection closed", peer=self.peer, error=repr(exc) if exc else None)
 
     def eof_received(self) -> bool:
@@ -251,11 +306,61 @@ class LMProtocol(asyncio.BufferedProtocol):
         assert self.transport is not None
         self.transport.close()
 
+    # -- timeouts (checked by the periodic sweep) ------------------------------------------
+
+    def tick(self, now: float, close_idle: bool) -> None:
+        """One sweep: give back an unused staging buffer, and close the connection if it is
+        past a timeout (README "Limits and timeouts"). ``close_idle``: the server is short
+        of connections, so idle ones past ``--idle-timeout`` make room."""
+        if self.closed:
+            return
+        config = self.config
+        if self.received != self._seen_received:
+            self._seen_received, self._quiet_since = self.received, now
+        elif self.end == 0 and self.staging:
+            self._give_staging()  # nothing staged and nothing received since the last sweep
+        quiet = now - self._quiet_since
+        if self.write_paused:  # replies the peer does not read: they must drain steadily
+            assert self.transport is not None
+            unsent = self.transport.get_write_buffer_size()
+            if unsent != self._seen_unsent:
+                self._seen_unsent, self._send_since = unsent, now
+            elif config.body_timeout and now - self._send_since >= config.body_timeout:
+                self._time_out("send_timeouts", "replies not read")
+            return
+        self._seen_unsent = -1
+        if self.busy or self.held:
+            return  # waiting for the server itself, not for the peer
+        if self.body is not None or self.discard_left:
+            if config.body_timeout and quiet >= config.body_timeout:
+                self._time_out("body_timeouts", "request body stalled")
+        elif self.end > self.start:  # a header has started and not completed
+            if self._header_since is None or self.parsed != self._seen_parsed:
+                self._header_since, self._seen_parsed = now, self.parsed
+            elif config.header_timeout and now - self._header_since >= config.header_timeout:
+                self._time_out("header_timeouts", "request header incomplete")
+            return
+        elif close_idle and config.idle_timeout and quiet >= config.idle_timeout and not self.acks_in_flight:
+            self.counters["idle_closed"] += 1
+            log.debug("closing idle connection", peer=self.peer, idle_s=round(quiet, 1))
+            self._linger_close()
+        self._header_since = None
+
+    def _time_out(self, counter: str, reason: str) -> None:
+        """The peer stopped making progress: drop the connection (and what it reserved)."""
+        self.counters[counter] += 1
+        throttled.warning("connection timed out", peer=self.peer, reason=reason)
+        self.closed = True
+        assert self.transport is not None
+        self.transport.abort()  # close() would wait for unsent replies the peer never reads
+
     # -- reading --------------------------------------------------------------------------
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self.body is not None:
-            return self.body[self.body_pos :]
+            return self.body[self.body_pos : self.body_limit]
+        if not self.staging:
+            self._take_staging()
         if self.discard_left:
             return self.staging_view  # staging is empty whenever a body is being received
         if self.start and self.end + 512 > STAGING_SIZE:
@@ -270,10 +375,14 @@ class LMProtocol(asyncio.BufferedProtocol):
             self.start = self.end = 0  # closing: what still arrives is dropped
             return
         self.counters["bytes_received"] += nbytes
+        self.received += nbytes
         if self.body is not None:
             self.body_pos += nbytes
-            if self.body_pos == len(self.body):
-                self._body_complete()
+            if self.body_pos == self.body_limit:
+                if self.body_pos == len(self.body):
+                    self._body_complete()
+                else:
+                    self._grow_body()
         elif self.discard_left:
             dropped = min(nbytes, self.discard_left)
             self.discard_left -= dropped
@@ -299,7 +408,7 @@ class LMProtocol(asyncio.BufferedProtocol):
     def _serve_staged(self, generation: Generation) -> None:
         # The hot loop of pipelined small requests: keep its per-request work minimal.
         size = REQUEST_SIZE[generation]
-        staging = self.staging
+        staging = self.staging_view
         handlers = self._handlers
         served = 0
         check = True  # whether the last request may have changed what _can_parse says
@@ -326,6 +435,7 @@ class LMProtocol(asyncio.BufferedProtocol):
                 self._flush()
                 check = True
         self.counters["requests"] += served
+        self.parsed += served
 
     def _can_parse(self) -> bool:
         return not (
@@ -394,13 +504,54 @@ class LMProtocol(asyncio.BufferedProtocol):
         if staged == len(target):
             done()
             return
-        self.body, self.body_pos, self.body_done = target, staged, done
+        self.body, self.body_pos, self.body_limit, self.body_done = target, staged, len(target), done
 
     def _body_complete(self) -> None:
         done = self.body_done
-        self.body = self.body_done = None
+        self.body = self.body_done = self.body_request = None
         assert done is not None
         done()
+
+    def _grow_body(self) -> None:
+        """The charged part of a PUT's buffer is full: charge more before reading on."""
+        entry, body = self.body_entry, self.body
+        assert entry is not None and body is not None
+        want = min(len(body), max(2 * self.body_pos, self.body_pos + STAGING_SIZE))
+        if want == len(body):
+            want = len(entry.buffer)  # all of it: a fully charged buffer is reused later
+        if self.store.memory.grow(entry, want):
+            self._body_grown(True)
+        else:
+            self._await(self.store.grow_wait(entry, want, self.config.put_wait_timeout), self._body_grown)
+
+    def _body_grown(self, ok: bool) -> None:
+        entry, body, req = self.body_entry, self.body, self.body_request
+        assert entry is not None and body is not None and req is not None
+        if ok:
+            self.body_limit = min(entry.charged, len(body))
+            return
+        # No memory for the rest of the body: give back what it holds, answer, drop the rest.
+        self.body_entry = self.body = self.body_done = self.body_request = None
+        self.store.abort(entry)
+        remaining = len(body) - self.body_pos
+        self._refuse(req, Status.NO_SPACE, "memory is full of objects in use", counter="refused_no_space")
+        self.discard_left = remaining
+
+    def _take_staging(self) -> None:
+        try:
+            self.staging = _free_staging.pop()
+        except IndexError:
+            # An mmap: its pages cost RSS only once touched (one, for a lone small request),
+            # and a freed one goes back to the OS, not into malloc's heap.
+            self.staging = mmap.mmap(-1, STAGING_SIZE)
+        self.staging_view = memoryview(self.staging)
+
+    def _give_staging(self) -> None:
+        """Return the staging buffer to the free list (only while nothing is staged)."""
+        if self.staging and self.end == 0:
+            if len(_free_staging) < STAGING_KEPT:
+                _free_staging.append(self.staging)  # type: ignore[arg-type]  # never _NO_STAGING
+            self.staging, self.staging_view = _NO_STAGING, _EMPTY
 
     # -- PUT ------------------------------------------------------------------------------
 
@@ -413,10 +564,12 @@ class LMProtocol(asyncio.BufferedProtocol):
                 counter="refused_too_large",
             )
             return
-        entry = self.store.reserve(req.length)
+        # Charge only what is staged, plus room for one read (module docstring).
+        upfront = self.end - self.start + STAGING_SIZE
+        entry = self.store.reserve(req.length, upfront)
         if entry is None:
             self._await(
-                self.store.reserve_wait(req.length, self.config.put_wait_timeout),
+                self.store.reserve_wait(req.length, self.config.put_wait_timeout, upfront),
                 lambda entry: self._receive_put(req, entry),
             )
             return
@@ -427,10 +580,15 @@ class LMProtocol(asyncio.BufferedProtocol):
             self._refuse(req, Status.NO_SPACE, "memory is full of objects in use", counter="refused_no_space")
             return
         self.body_entry = entry
+        self.body_request = req
         self._receive_body(memoryview(entry.buffer)[: req.length], lambda: self._finish_put(req, entry))
+        if self.body is not None:
+            self.body_limit = min(entry.charged, req.length)
+            if self.body_pos == self.body_limit:
+                self._grow_body()
 
     def _finish_put(self, req: Request, entry: Entry) -> None:
-        self.body_entry = None
+        self.body_entry = self.body_request = None
         meta = req.meta if req.generation == Generation.V1 else NO_META
         persisted = self.store.commit(req.key, entry, meta, acknowledged=req.command == Command.PUT_ACK)
         self.counters["puts"] += 1
@@ -649,6 +807,25 @@ class LMProtocol(asyncio.BufferedProtocol):
             self.transport.pause_reading()
         else:
             self.transport.resume_reading()
+
+
+def sweep_interval(config: Any) -> float:
+    """How often timeouts are checked: a quarter of the shortest one, within 50 ms - 1 s."""
+    timeouts = [t for t in (config.idle_timeout, config.header_timeout, config.body_timeout) if t]
+    return min(1.0, max(0.05, min(timeouts, default=4.0) / 4))
+
+
+async def sweep(state: ServerState) -> None:
+    """Check every connection's timeouts and staging buffer, forever (a server task)."""
+    config = state.config
+    interval = sweep_interval(config)
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(interval)
+        now = loop.time()
+        close_idle = len(state.connections) > config.max_connections * 3 // 4
+        for connection in list(state.connections):
+            connection.tick(now, close_idle)
 
 
 _EXTENSIONS = frozenset({Command.PUT_ACK, Command.DELETE, Command.EXIST_MANY, Command.STATS})

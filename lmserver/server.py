@@ -18,7 +18,7 @@ import structlog
 
 from . import __version__
 from .config import ServerConfig
-from .connection import LMProtocol
+from .connection import LMProtocol, sweep
 from .logs import configure_logging
 from .memory import MemoryTier
 from .sizes import format_size
@@ -77,6 +77,7 @@ class Server:
         self.host, self.port = sockname[0], sockname[1]
         self._background.append(loop.create_task(log_periodically(self.state)))
         self._background.append(loop.create_task(trim_idle_memory(self.state)))
+        self._background.append(loop.create_task(sweep(self.state)))
         log.info(
             "listening",
             host=self.host,

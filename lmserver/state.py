@@ -20,6 +20,7 @@ class ServerState:
     config: ServerConfig
     store: Store
     connections: set[LMProtocol] = field(default_factory=set)
+    connections_per_address: Counter[str] = field(default_factory=Counter)
     counters: Counter[str] = field(default_factory=Counter)
     started_at: float = field(default_factory=time.time)
     shutting_down: bool = False

@@ -82,7 +82,12 @@ def test_help_lists_every_option() -> None:
         "--disk",
         "--disk-limit",
         "--fsync",
+        "--max-connections-per-address",
+        "--idle-timeout",
+        "--header-timeout",
+        "--body-timeout",
         "LMSERVER_PORT",
+        "LMSERVER_BODY_TIMEOUT",
     ]:
         assert option in out, option
 
