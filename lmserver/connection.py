@@ -20,6 +20,11 @@ Strategy:
   transport's buffer has drained: the write-buffer limits are (0, 0), so the loop reports
   every partial write with ``pause_writing`` and the full drain with ``resume_writing``.
   That is also the backpressure: while anything is unsent, the connection reads nothing.
+  That reasoning needs a transport that keeps what it could not send *by reference*, as
+  uvloop's does. The standard library's copies it into a bytearray: 100 clients sending a
+  GET for a 32 MiB object and never reading grew RSS by 1.7 GiB. So on a copying transport
+  a reply over ``WRITE_PIECE`` bytes is handed over a piece at a time, the next piece only
+  when the last has gone (``_pump``): at most one piece per connection is ever copied.
 * A PUT's memory is charged as its body arrives, not when its header announces it: a fresh
   buffer (an untouched anonymous mmap, see pool.py) is charged for what is already staged
   plus one staging size, and ``get_buffer`` lets the socket fill only the charged part.
@@ -84,6 +89,10 @@ STAGING_SIZE = 64 * 1024
 
 STAGING_KEPT = 64
 """Idle staging buffers kept on the shared free list (4 MiB); more are freed."""
+
+WRITE_PIECE = 128 * 1024
+"""On a transport that copies unsent bytes (the standard library's), the most handed to it
+at once: what a connection whose peer does not read can make the server copy."""
 
 FLUSH_THRESHOLD = 4 * 1024 * 1024
 """Reply bytes queued in one callback before they are written without waiting for its end."""
@@ -154,6 +163,9 @@ class LMProtocol(asyncio.BufferedProtocol):
         self.reply_bytes = 0
         self.reply_pins: list[Entry] = []  # entries referenced by queued replies
         self.unsent_pins: list[Entry] = []  # entries referenced by bytes the transport holds
+        # Replies not yet handed to a transport that copies what it cannot send (see _pump).
+        self.outbox: deque[bytes | memoryview] = deque()
+        self.copying_transport = False
         # PUT_ACKs waiting for the disk do not stop the pipeline: their replies, and every
         # reply after them, are held here in order until the acknowledgement is known.
         self.held: deque[_Held] = deque()
@@ -229,6 +241,7 @@ class LMProtocol(asyncio.BufferedProtocol):
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.transport.set_write_buffer_limits(high=0, low=0)  # type: ignore[union-attr]
+        self.copying_transport = not type(transport).__module__.startswith("uvloop")
         self.state.connections.add(self)
         self.state.no_connections.clear()
         self.counters["connections_accepted"] += 1
@@ -731,15 +744,19 @@ class LMProtocol(asyncio.BufferedProtocol):
     def _flush(self) -> None:
         if not self.replies or self.closed:
             return
-        replies, self.replies, self.reply_bytes = self.replies, [], 0
+        replies, reply_bytes = self.replies, self.reply_bytes
+        self.replies, self.reply_bytes = [], 0
         transport = self.transport
         assert transport is not None
-        if len(replies) == 1:
+        if self.outbox or (self.copying_transport and reply_bytes > WRITE_PIECE):
+            self.outbox += replies
+            self._pump()
+        elif len(replies) == 1:
             transport.write(replies[0])
         else:
             transport.writelines(replies)
         if self.reply_pins:
-            if transport.get_write_buffer_size() == 0:
+            if transport.get_write_buffer_size() == 0 and not self.outbox:
                 self._unpin(self.reply_pins)
             else:
                 self.unsent_pins += self.reply_pins
@@ -749,8 +766,27 @@ class LMProtocol(asyncio.BufferedProtocol):
         self.write_paused = True
         self._update_reading()
 
+    def _pump(self) -> None:
+        """Hand the outbox to the transport a piece at a time, while it sends everything it
+        is given (with write-buffer limits (0, 0) a piece it cannot finish pauses writing)."""
+        outbox, transport = self.outbox, self.transport
+        assert transport is not None
+        while outbox and not self.write_paused and not transport.is_closing():
+            head = outbox[0]
+            if len(head) > WRITE_PIECE:
+                view = memoryview(head)
+                outbox[0] = view[WRITE_PIECE:]
+                transport.write(view[:WRITE_PIECE])
+            else:
+                outbox.popleft()
+                transport.write(head)
+
     def resume_writing(self) -> None:
         self.write_paused = False
+        if self.outbox:
+            self._pump()
+            if self.outbox or self.write_paused:
+                return  # the rest of the replies still references the pinned objects
         self._unpin(self.unsent_pins)
         self.unsent_pins = []
         self._process()
@@ -767,6 +803,7 @@ class LMProtocol(asyncio.BufferedProtocol):
             self._unpin(slot.pins)
         self.reply_pins, self.unsent_pins = [], []
         self.held.clear()
+        self.outbox.clear()
 
     # -- waiting ------------------------------------------------------------------------
 

@@ -4,14 +4,16 @@ on a subprocess server, so the figure is the server's own)."""
 from __future__ import annotations
 
 import random
+import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import psutil
 from wire import Wire
 
-from lmproto import Command
+from lmproto import Command, decode_json
 
 MiB = 1024 * 1024
 RSS_OVERHEAD = 16 * MiB
@@ -60,3 +62,38 @@ def test_rss_stays_within_the_limit_over_a_long_overwrite_run(spawn_server) -> N
             written += size
     grown = peak[0] - start_rss
     assert grown <= limit + RSS_OVERHEAD, f"RSS grew {grown / MiB:.0f} MiB over a {limit // MiB} MiB limit"
+
+
+def _stat_counter(host: str, port: int, name: str) -> int:
+    with Wire(host, port) as w:
+        _, body = w.call(Command.STATS)
+        return int(decode_json(body)["counters"].get(name, 0))
+
+
+def test_unread_gets_on_the_stdlib_loop_copy_at_most_a_piece_each(spawn_server) -> None:
+    """The standard library's transport copies what it cannot send; replies are handed to it
+    in pieces, so clients that never read cost the server little beyond the object."""
+    server = spawn_server("--memory-limit", "256MiB", "--loop", "asyncio")
+    assert server.proc is not None
+    with Wire(server.host, server.port) as w:
+        w.put("big", bytes(32 * MiB))
+    start_rss = psutil.Process(server.proc.pid).memory_info().rss
+    readers = []
+    try:
+        with peak_rss(server.proc.pid) as peak:
+            for _ in range(16):
+                reader = Wire(server.host, server.port)
+                reader.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                reader.send(Command.GET, "big")  # and never read
+                readers.append(reader)
+            deadline = time.monotonic() + 60
+            while _stat_counter(server.host, server.port, "gets_served") < 16:
+                assert time.monotonic() < deadline, "GETs not served"
+                time.sleep(0.05)
+            time.sleep(0.2)  # let the last sends fill the sockets
+        grown = peak[0] - start_rss
+        # Before: each unread reply was copied whole (16 x 32 MiB).
+        assert grown <= 16 * MiB + RSS_OVERHEAD, f"RSS grew {grown / MiB:.0f} MiB"
+    finally:
+        for reader in readers:
+            reader.close()
