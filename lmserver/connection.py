@@ -104,6 +104,7 @@ MAX_ACKS_IN_FLIGHT = 1024
 """PUT_ACKs of one connection that may wait for the disk at once before it stops reading."""
 
 _EMPTY = memoryview(b"")
+_LIST_BATCH = 1024  # keys encoded at once into a LIST reply
 _NO_STAGING = bytearray()  # what a connection holds while it has no staging buffer
 _free_staging: list[mmap.mmap] = []  # shared by every connection (list ops are atomic)
 _SUCCESS, _FAIL = int(Status.SUCCESS), int(Status.FAIL)  # plain ints: cheaper dict keys on the hot path
@@ -663,8 +664,30 @@ class LMProtocol(asyncio.BufferedProtocol):
         self._emit_canned(_SUCCESS if self.store.contains(req.key) else _FAIL)
 
     def _list(self, req: Request, body: memoryview) -> None:
+        # The reply is held from the memory budget, like an object being sent: a client that
+        # sends LISTs and never reads cannot grow the server past --memory-limit. It is
+        # encoded in batches, so no second whole copy of it exists outside the budget.
         keys = self.store.keys(req.key, self.config.max_list_keys)
-        self._reply(Status.SUCCESS, memoryview(encode_key_lines(keys)))
+        if not keys:
+            self._reply(Status.SUCCESS)
+            return
+        chunks = [encode_key_lines(keys[i : i + _LIST_BATCH]) for i in range(0, len(keys), _LIST_BATCH)]
+        del keys
+        entry = self.store.reserve(sum(map(len, chunks)) + len(chunks) - 1)
+        if entry is None:
+            self.counters["refused_no_space"] += 1
+            self._reply(Status.FAIL)  # an upstream command: 400, length 0
+            return
+        out, pos = memoryview(entry.buffer), 0
+        for chunk in chunks:
+            if pos:
+                out[pos] = 0x0A  # the newline between batches
+                pos += 1
+            out[pos : pos + len(chunk)] = chunk
+            pos += len(chunk)
+        assert self.generation is not None
+        header = encode_reply(Status.SUCCESS, entry.length, generation=self.generation, meta=PLACEHOLDER_META)
+        self._emit(header, entry.view, pin=entry)
 
     def _health(self, req: Request, body: memoryview) -> None:
         self._emit_canned(Status.FAIL if self.state.shutting_down else Status.SUCCESS)

@@ -97,3 +97,39 @@ def test_unread_gets_on_the_stdlib_loop_copy_at_most_a_piece_each(spawn_server) 
     finally:
         for reader in readers:
             reader.close()
+
+
+def test_unread_list_replies_are_held_within_the_memory_limit(spawn_server) -> None:
+    """LIST replies come from the memory budget: clients sending LISTs over many keys and
+    never reading cannot grow the server past --memory-limit."""
+    limit = 256 * MiB
+    server = spawn_server("--memory-limit", str(limit), "--loop", "asyncio")
+    assert server.proc is not None
+    with Wire(server.host, server.port) as w:
+        prefix = "k" * 144
+        for first in range(0, 50_000, 1000):
+            batch = range(first, first + 1000)
+            w.send_raw(b"".join(w.frame(Command.PUT, f"{prefix}{i:06}", b"v") for i in batch))
+        assert w.call(Command.EXIST, f"{prefix}049999")[0].status == 200  # all 50,000 stored
+        # The keys' own index (Python objects, outside the limit) now exists: measure from here.
+        memory = decode_json(w.call(Command.STATS)[1])["tiers"][0]
+        room = limit - memory["reserved_bytes"] - memory["idle_pool_bytes"]
+    start_rss = psutil.Process(server.proc.pid).memory_info().rss
+    readers = []
+    try:
+        with peak_rss(server.proc.pid) as peak:
+            for _ in range(30):  # each reply is ~7 MiB, more than the kernel's socket buffers
+                reader = Wire(server.host, server.port)
+                reader.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                reader.send(Command.LIST)  # and never read
+                readers.append(reader)
+            for reader in readers:  # each reply has started to arrive: it was built
+                reader.sock.settimeout(60)
+                assert reader.sock.recv(1, socket.MSG_PEEK)
+            time.sleep(0.2)
+        grown = peak[0] - start_rss
+        # Plus one LIST's transient encoding (~7 MiB here), which malloc may keep.
+        assert grown <= room + 2 * RSS_OVERHEAD, f"RSS grew {grown / MiB:.0f} MiB"
+    finally:
+        for reader in readers:
+            reader.close()
