@@ -579,7 +579,9 @@ class LMProtocol(asyncio.BufferedProtocol):
             )
             return
         # Charge only what is staged, plus room for one read (module docstring).
-        upfront = self.end - self.start + STAGING_SIZE
+        upfront: int | None = self.end - self.start + STAGING_SIZE
+        if upfront >= req.length:
+            upfront = None  # all of it at once: a fully charged buffer is reused later
         entry = self.store.reserve(req.length, upfront)
         if entry is None:
             self._await(
