@@ -579,9 +579,9 @@ class LMProtocol(asyncio.BufferedProtocol):
             )
             return
         # Charge only what is staged, plus room for one read (module docstring).
-        upfront: int | None = self.end - self.start + STAGING_SIZE
-        if upfront >= req.length:
-            upfront = None  # all of it at once: a fully charged buffer is reused later
+        first = self.end - self.start + STAGING_SIZE
+        # A body that fits the first charge is charged whole: a fully charged buffer is reused.
+        upfront = None if first >= req.length else first
         entry = self.store.reserve(req.length, upfront)
         if entry is None:
             self._await(
