@@ -75,7 +75,7 @@ class ServerConfig:
         )
         _check(self.disk_limit > 0, "--disk-limit must be positive")
         _choice("--fsync", self.fsync, ("always", "batch", "never"))
-        _check(self.write_behind_limit > 0, "--write-behind-limit must be positive")
+        _check(self.write_behind_limit >= 0, "--write-behind-limit must not be negative")
         _check(self.max_connections >= 1, "--max-connections must be at least 1")
         _check(self.max_connections_per_address >= 1, "--max-connections-per-address must be at least 1")
         _seconds("--idle-timeout", self.idle_timeout)
