@@ -54,6 +54,15 @@ class ServerConfig:
     # Logging
     log_level: str = "info"
     log_format: Literal["auto", "console", "json"] = "auto"
+    # Operations (docs: README "Metrics", "Access control and TLS")
+    allow: tuple[str, ...] = ()  # CIDRs that may connect; empty: everyone
+    plain: bool = True  # serve the plain TCP port (False: TLS only)
+    tls_port: int | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None  # require client certificates signed by this CA
+    metrics_port: int | None = None
+    metrics_host: str | None = None  # None: same as host
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -68,3 +77,18 @@ class ServerConfig:
             TierSpec.parse(text)  # syntax only; the kind's own options are checked at startup
         if self.max_connections < 1:
             raise ValueError("max connections must be at least 1")
+        self._check_operations()
+
+    def _check_operations(self) -> None:
+        from .access import parse_networks
+
+        parse_networks(self.allow)  # raises ValueError naming a bad entry
+        if (self.tls_port is None) != (self.tls_cert is None):
+            raise ValueError("--tls-port and --tls-cert go together")
+        if self.tls_port is None and (self.tls_key is not None or self.tls_client_ca is not None):
+            raise ValueError("--tls-key and --tls-client-ca need --tls-port and --tls-cert")
+        if not self.plain and self.tls_port is None:
+            raise ValueError("--no-plain needs a TLS listener (--tls-port)")
+        for port in (self.tls_port, self.metrics_port):
+            if port is not None and not 0 <= port <= 65535:
+                raise ValueError(f"port {port} out of range")
