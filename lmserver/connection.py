@@ -319,6 +319,9 @@ class LMProtocol(asyncio.BufferedProtocol):
         staging = self.staging
         handlers = self._handlers
         by_command = self.by_command
+        # Requests by command, counted as runs of one command (a pipelined burst is usually one
+        # run): a local small-int add per request instead of a list update.
+        last, run = EXIST_HITS_SLOT, 0
         served = 0
         check = True  # whether the last request may have changed what _can_parse says
         while self.end - self.start >= size:
@@ -338,12 +341,17 @@ class LMProtocol(asyncio.BufferedProtocol):
                 self._on_header(request)
                 check = True
             else:
-                by_command[command] += 1
+                if command == last:
+                    run += 1
+                else:
+                    by_command[last] += run
+                    last, run = command, 1
                 handlers[command](request, _EMPTY)
                 check = command not in _ANSWERED_INLINE
             if self.reply_bytes >= FLUSH_THRESHOLD:
                 self._flush()
                 check = True
+        by_command[last] += run
         self.counters["requests"] += served
 
     def _can_parse(self) -> bool:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+
 from lmproto import REPLY_SIZE, Command, Generation, Status, decode_reply, encode_request
 from lmserver.access import AccessList, parse_networks
 from lmserver.config import ServerConfig

@@ -42,10 +42,17 @@ def _name(common: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
 
 
+Issuer = tuple[x509.Name, ec.EllipticCurvePrivateKey]
+
+
 def _issue(
-    subject: str, key: ec.EllipticCurvePrivateKey, issuer: tuple[x509.Name, ec.EllipticCurvePrivateKey] | None,
-    *, ca: bool = False, sans: list[x509.GeneralName] | None = None,
-) -> x509.Certificate:  # fmt: skip
+    subject: str,
+    key: ec.EllipticCurvePrivateKey,
+    issuer: Issuer | None,
+    *,
+    ca: bool = False,
+    sans: list[x509.GeneralName] | None = None,
+) -> x509.Certificate:
     now = datetime.datetime.now(datetime.UTC)
     issuer_name, issuer_key = issuer if issuer is not None else (_name(subject), key)
     builder = (
