@@ -151,3 +151,17 @@ def test_metrics_host_binds_separately(make_server_thread: Callable[..., ServerT
     thread = make_server_thread(metrics_port=0, metrics_host="127.0.0.3", loop=loop)
     with urllib.request.urlopen(f"http://127.0.0.3:{thread.metrics_port}/metrics", timeout=10) as response:
         assert b"lmserver_connections" in response.read()
+
+
+def test_the_command_line_serves_metrics_from_a_config_file(
+    spawn_server: Callable[..., Any], tmp_path: Path
+) -> None:
+    config = tmp_path / "lmserver.toml"
+    config.write_text('metrics-port = 0\nallow = ["127.0.0.0/8"]\n')
+    server = spawn_server("--config", str(config))
+    listening = server.events("listening")[0]
+    assert listening["allow"] == ["127.0.0.0/8"]
+    with Wire(server.host, server.port) as wire:
+        wire.put("k", b"v")
+    samples = scrape(int(listening["metrics_port"]))
+    assert value(samples, "lmserver_requests_total", command="put_ack", outcome="ok") == 1

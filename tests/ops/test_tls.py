@@ -248,3 +248,23 @@ def test_tls_options_go_together(pki: Pki) -> None:
         ServerConfig(plain=False)
     with pytest.raises(ValueError, match="need --tls-port"):
         ServerConfig(tls_key=pki.server_key)
+
+
+def test_allow_applies_to_the_tls_listener(make_server_thread: Callable[..., ServerThread], pki: Pki) -> None:
+    thread = make_server_thread(
+        tls_port=0, tls_cert=pki.server_cert, tls_key=pki.server_key, allow=("127.0.0.1/32",)
+    )
+    raw = socket.socket()
+    raw.settimeout(10)
+    raw.bind(("127.0.0.2", 0))
+    raw.connect(("127.0.0.1", thread.tls_port or 0))
+    # The loop completes the handshake; the connection is closed before anything is read.
+    with pki.client_context().wrap_socket(raw, server_hostname="127.0.0.1") as sock:
+        try:
+            closed = sock.recv(1) == b""
+        except (ConnectionResetError, ssl.SSLError):
+            closed = True
+        assert closed
+    assert thread.server is not None
+    counters = thread.server.state.counters
+    assert thread.call(lambda: counters["connections_refused_not_allowed"]) == 1
