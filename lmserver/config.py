@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from .access import parse_networks
 from .tiers.spec import TierSpec
 
 DEFAULT_PORT = 65432
@@ -80,8 +81,6 @@ class ServerConfig:
         self._check_operations()
 
     def _check_operations(self) -> None:
-        from .access import parse_networks
-
         parse_networks(self.allow)  # raises ValueError naming a bad entry
         if (self.tls_port is None) != (self.tls_cert is None):
             raise ValueError("--tls-port and --tls-cert go together")

@@ -395,7 +395,8 @@ class LMProtocol(asyncio.BufferedProtocol):
         """Answer a request the server will not serve, and drop its body unread."""
         self.counters[counter] += 1
         if req.problem is None:
-            self.counters[f"refused_command_{int(req.command)}"] += 1  # by command (metrics)
+            # By command for metrics; not "refused_..." (STATS sums those as refusals once).
+            self.counters[f"command_{int(req.command)}_refused"] += 1
         log.debug("request refused", peer=self.peer, command=req.command, reason=reason)
         if req.command == Command.PUT:
             pass  # fire-and-forget: upstream clients read no reply to a PUT

@@ -157,7 +157,7 @@ def _requests(doc: dict[str, Any]) -> Iterator[Metric]:
     )
     for command in Command:
         total = by_command[command] if command < len(by_command) else 0
-        refused = counters.get(f"refused_command_{int(command)}", 0)
+        refused = counters.get(f"command_{int(command)}_refused", 0)
         name = _command_name(command)
         if command == Command.GET:
             hits, misses = counters.get("gets_served", 0), counters.get("gets_missed", 0)
@@ -198,7 +198,7 @@ def _requests(doc: dict[str, Any]) -> Iterator[Metric]:
         "lmserver_refusals", "Requests refused, by reason (every command).", labels=["reason"]
     )
     for key, value in counters.items():
-        if key.startswith("refused_") and not key.startswith("refused_command_"):
+        if key.startswith("refused_"):
             refusals.add_metric([key.removeprefix("refused_")], value)
     refusals.add_metric(["other"], counters.get("refused", 0))
     yield refusals

@@ -92,7 +92,7 @@ class Server:
         log.info(
             "listening",
             host=self.host,
-            port=self.port,
+            port=self.port if self.config.plain else None,
             version=__version__,
             loop=type(loop).__module__.split(".")[0],
             protocol=self.config.protocol,

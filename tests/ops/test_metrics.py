@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from wire import Wire
 
-from lmproto import Command, Generation, Status
+from lmproto import Command, Generation, Status, decode_json
 from lmserver.metrics import LATENCY_BOUNDS, TIER_GAUGES, _tiers
 from lmserver.server import ServerThread
 
@@ -48,6 +48,7 @@ def test_counts_after_a_known_workload(make_server_thread: Callable[..., ServerT
         assert wire.call(Command.PUT_ACK, "big", b"z" * 2000)[0].status == Status.TOO_LARGE
         assert wire.call(Command.HEALTH)[0].status == Status.SUCCESS
         samples = scrape(thread.metrics_port)
+        assert decode_json(wire.call(Command.STATS)[1])["refusals"] == 1  # counted once
 
     requests = "lmserver_requests_total"
     assert value(samples, requests, command="put_ack", outcome="ok") == 3
