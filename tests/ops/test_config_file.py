@@ -148,3 +148,12 @@ def test_the_server_runs_with_the_file_settings(tmp_path: Path, monkeypatch: pyt
     assert seen[0].max_connections == 12
     assert seen[0].memory_limit == 64 * 1024**2
     assert seen[0].allow == ("127.0.0.0/8, ::1",)
+
+
+def test_lmserver_allow_takes_spaces_and_commas(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lmserver.access import AccessList
+
+    monkeypatch.setenv("LMSERVER_ALLOW", "10.0.0.0/8,127.0.0.1  ::1")
+    ctx = serve.make_context("serve", [])
+    allowed = AccessList(ctx.params["allow"])
+    assert [str(n) for n in allowed.networks] == ["10.0.0.0/8", "127.0.0.1/32", "::1/128"]
