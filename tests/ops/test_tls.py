@@ -7,6 +7,7 @@ import datetime
 import ipaddress
 import socket
 import ssl
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from lmclient import AsyncClient, Client, TransportError
+from lmproto import REPLY_SIZE, Command, Generation, decode_reply, encode_request
 from lmserver.server import ServerThread
 
 BIG = 4 * 1024 * 1024
@@ -167,13 +169,10 @@ def test_a_slow_reader_over_tls_gets_every_reply(tls_server: ServerThread, pki: 
         plain.put("big", b"b" * BIG, ack=True)
     context = pki.client_context()
     raw = socket.create_connection(("127.0.0.1", tls_server.tls_port or 0), timeout=30)
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)  # a small window fills fast
     with context.wrap_socket(raw, server_hostname="127.0.0.1") as sock:
-        from lmproto import REPLY_SIZE, Command, Generation, decode_reply, encode_request
-
         sock.sendall(encode_request(Command.GET, "big", generation=Generation.V0) * 8)
-        import time
-
-        time.sleep(0.5)  # let the server's buffers fill before reading anything
+        time.sleep(0.5)  # not a wait for anything: reading late is the behaviour under test
         for _ in range(8):
             header = bytearray()
             while len(header) < REPLY_SIZE[Generation.V0]:
