@@ -51,12 +51,13 @@ LATENCY_BOUNDS = (
 for memory, ``--memory-wait``)."""
 
 TIER_GAUGES = frozenset(
-    {"objects", "bytes", "capacity", "queue_depth", "queue_bytes", "reserved_bytes", "idle_pool_bytes",
-     "inflight_bytes"}
+    {"objects", "bytes", "capacity", "queue_depth", "queue_bytes", "queue_limit", "reserved_bytes",
+     "idle_pool_bytes", "inflight_bytes"}
 )  # fmt: skip
-"""Per-tier fields that go up and down; every other numeric field of a tier is a counter."""
+"""Per-tier fields that go up and down; every other numeric field of a tier is a counter, and
+a true/false field (``healthy``) a 0/1 gauge."""
 
-_TIER_GAUGE_NAMES = {"capacity": "capacity_bytes"}  # base units in the name
+_TIER_GAUGE_NAMES = {"capacity": "capacity_bytes", "queue_limit": "queue_limit_bytes"}  # base units
 SNAPSHOT_TIMEOUT_S = 5.0
 """How long a scrape waits for the event loop to take the snapshot (it is busy, not stuck)."""
 
@@ -109,6 +110,12 @@ def _numbers(fields: dict[str, Any]) -> Iterator[tuple[str, int | float]]:
     for name, value in fields.items():
         if isinstance(value, int | float) and not isinstance(value, bool):
             yield name, value
+
+
+def _flags(fields: dict[str, Any]) -> Iterator[tuple[str, int]]:
+    for name, value in fields.items():
+        if isinstance(value, bool):
+            yield name, int(value)
 
 
 class ServerCollector(Collector):
@@ -187,12 +194,15 @@ def _requests(doc: dict[str, Any]) -> Iterator[Metric]:
     )
     waits = CounterMetricFamily(
         "lmserver_put_admission_waits",
-        "PUTs that waited before being received: for the write-behind backlog to drain, or for "
-        "memory held by objects in use.",
+        "PUTs that waited before being received, by what they waited for (memory held by "
+        "objects in use); a PUT still refused after --memory-wait is a no_space refusal.",
         labels=["reason"],
     )
-    waits.add_metric(["write_behind"], counters.get("put_waits_write_behind", 0))
-    waits.add_metric(["memory"], counters.get("put_waits_memory", 0))
+    for key, value in counters.items():
+        if key.startswith("put_waits_"):
+            waits.add_metric([key.removeprefix("put_waits_")], value)
+    if not any(key.startswith("put_waits_") for key in counters):
+        waits.add_metric(["memory"], 0)
     yield waits
     refusals = CounterMetricFamily(
         "lmserver_refusals", "Requests refused, by reason (every command).", labels=["reason"]
@@ -236,10 +246,10 @@ def _tier_rows(tiers: Any) -> Iterator[tuple[str, dict[str, Any]]]:
 def _tiers(tiers: Any) -> Iterator[Metric]:
     families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
     for tier, fields in _tier_rows(tiers):
-        for field, value in _numbers(fields):
+        for field, value in (*_numbers(fields), *_flags(fields)):
             family = families.get(field)
             if family is None:
-                if field in TIER_GAUGES:
+                if field in TIER_GAUGES or isinstance(fields[field], bool):
                     name = f"lmserver_tier_{_TIER_GAUGE_NAMES.get(field, field)}"
                     family = GaugeMetricFamily(name, f"Tier {field} now.", labels=["tier"])
                 else:
@@ -250,19 +260,14 @@ def _tiers(tiers: Any) -> Iterator[Metric]:
 
 
 def _store(store: dict[str, Any]) -> Iterator[Metric]:
-    backlog = store.get("write_behind", {})
-    yield GaugeMetricFamily(
-        "lmserver_write_behind_pending_objects",
-        "Objects accepted into memory whose lower-tier write has not finished.",
-        backlog.get("pending_objects", 0),
-    )
-    yield GaugeMetricFamily(
-        "lmserver_write_behind_pending_bytes",
-        "Bytes of objects whose lower-tier write has not finished.",
-        backlog.get("pending_bytes", 0),
-    )
+    """The store's own counters (``lmserver_store_<name>_total``) and its groups of gauges
+    (``"chain": {"pinned_bytes": ...}`` becomes ``lmserver_chain_pinned_bytes``)."""
     for field, value in _numbers(store):
         yield CounterMetricFamily(f"lmserver_store_{field}", f"Store {field}.", value)
+    for group, fields in store.items():
+        if isinstance(fields, dict) and group != "tiers":
+            for field, value in _numbers(fields):
+                yield GaugeMetricFamily(f"lmserver_{group}_{field}", f"{group} {field} now.", value)
 
 
 def _events(counters: dict[str, int]) -> Iterator[Metric]:

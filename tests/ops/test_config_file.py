@@ -157,3 +157,15 @@ def test_lmserver_allow_takes_spaces_and_commas(monkeypatch: pytest.MonkeyPatch)
     ctx = serve.make_context("serve", [])
     allowed = AccessList(ctx.params["allow"])
     assert [str(n) for n in allowed.networks] == ["10.0.0.0/8", "127.0.0.1/32", "::1/128"]
+
+
+def test_the_readme_example_is_a_valid_config_file(tmp_path: Path) -> None:
+    from lmserver.configfile import load_default_map
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    section = readme.split("## Configuration file", 1)[1]
+    example = section.split("```toml\n", 1)[1].split("```", 1)[0]
+    config = tmp_path / "example.toml"
+    config.write_text(example)
+    defaults = load_default_map(config, serve)  # keys and kinds; paths need not exist here
+    assert defaults["memory_limit"] == "16GiB" and defaults["allow"] == ["10.0.0.0/8", "192.168.1.20"]

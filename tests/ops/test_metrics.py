@@ -125,7 +125,9 @@ def test_tier_fields_map_generically() -> None:
         ("memory", 2),
         ("disk", 1),
     ]
-    assert "lmserver_tier_state" not in families and "lmserver_tier_healthy" not in families
+    assert "lmserver_tier_state" not in families  # text fields are not metrics
+    assert families["lmserver_tier_healthy"].type == "gauge"
+    assert [(s.labels["tier"], s.value) for s in families["lmserver_tier_healthy"].samples] == [("disk", 1)]
     assert {"objects", "bytes", "capacity", "queue_depth", "queue_bytes"} <= TIER_GAUGES
 
 
@@ -137,7 +139,10 @@ def test_disk_tier_and_write_behind_metrics(
         wire.put("k", b"v" * 100)  # PUT_ACK: answered once on disk
         samples = scrape(thread.metrics_port)  # type: ignore[arg-type]
     assert value(samples, "lmserver_tier_objects", tier="disk") == 1
-    assert value(samples, "lmserver_write_behind_pending_objects") == 0
+    assert value(samples, "lmserver_tier_queue_bytes", tier="disk") == 0
+    assert value(samples, "lmserver_tier_healthy", tier="disk") == 1
+    assert value(samples, "lmserver_tier_writes_total", tier="disk") == 1
+    assert value(samples, "lmserver_chain_pinned_bytes") == 0
     assert value(samples, "lmserver_request_duration_seconds_count", command="put_ack") == 1
 
 
