@@ -484,8 +484,7 @@ class LMProtocol(asyncio.BufferedProtocol):
         self.acks_in_flight -= 1
         if self.closed:
             return
-        self.timed_since = slot.started
-        self._time_end(Command.PUT_ACK)
+        self._time_end(Command.PUT_ACK, slot.started)  # others may be timed meanwhile
         assert self.generation is not None
         if ok:
             slot.buffers.append(self._canned[Status.SUCCESS])
@@ -579,10 +578,11 @@ class LMProtocol(asyncio.BufferedProtocol):
         if self.state.latency is not None:
             self.timed_since = time.perf_counter()
 
-    def _time_end(self, command: int) -> None:
+    def _time_end(self, command: int, started: float | None = None) -> None:
         latency = self.state.latency
         if latency is not None:
-            latency.record(command, time.perf_counter() - self.timed_since)
+            since = self.timed_since if started is None else started
+            latency.record(command, time.perf_counter() - since)
 
     # -- replies ------------------------------------------------------------------------
 
