@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from .access import parse_networks
 from .tiers.spec import TierSpec
 
 DEFAULT_PORT = 65432
@@ -61,6 +62,15 @@ class ServerConfig:
     # Logging
     log_level: str = "info"
     log_format: Literal["auto", "console", "json"] = "auto"
+    # Operations (docs: README "Metrics", "Access control and TLS")
+    allow: tuple[str, ...] = ()  # CIDRs that may connect; empty: everyone
+    plain: bool = True  # serve the plain TCP port (False: TLS only)
+    tls_port: int | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None  # require client certificates signed by this CA
+    metrics_port: int | None = None
+    metrics_host: str | None = None  # None: same as host
 
     def __post_init__(self) -> None:
         """Every option's range, checked once at startup: a bad value is one clear error
@@ -94,6 +104,19 @@ class ServerConfig:
             object.__setattr__(self, "max_object_size", self.memory_limit)
         for text in self.tiers:
             TierSpec.parse(text)  # syntax only; the kind's own options are checked at startup
+        self._check_operations()
+
+    def _check_operations(self) -> None:
+        parse_networks(self.allow)  # raises ValueError naming a bad entry
+        if (self.tls_port is None) != (self.tls_cert is None):
+            raise ValueError("--tls-port and --tls-cert go together")
+        if self.tls_port is None and (self.tls_key is not None or self.tls_client_ca is not None):
+            raise ValueError("--tls-key and --tls-client-ca need --tls-port and --tls-cert")
+        if not self.plain and self.tls_port is None:
+            raise ValueError("--no-plain needs a TLS listener (--tls-port)")
+        for port in (self.tls_port, self.metrics_port):
+            if port is not None and not 0 <= port <= 65535:
+                raise ValueError(f"port {port} out of range")
 
 
 def _check(ok: bool, message: str) -> None:

@@ -48,6 +48,7 @@ import mmap
 import socket
 import sys
 import termios
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -80,6 +81,7 @@ from .logs import ThrottledWarnings
 from .memory import Entry
 from .state import ServerState
 from .stats import server_stats
+from .tls import write_buffer_high_water
 
 log = structlog.get_logger("lmserver.connection")
 throttled = ThrottledWarnings(log)
@@ -123,10 +125,11 @@ def _unread_input(transport: asyncio.BaseTransport) -> bool:
 class _Held:
     """Replies that must wait for an earlier PUT_ACK whose write is still in flight."""
 
-    __slots__ = ("buffers", "pins", "ready")
+    __slots__ = ("buffers", "pins", "ready", "started")
 
-    def __init__(self, ready: bool) -> None:
+    def __init__(self, ready: bool, started: float = 0.0) -> None:
         self.ready = ready
+        self.started = started  # when the PUT_ACK's header arrived (latency metrics)
         self.buffers: list[bytes | memoryview] = []
         self.pins: list[Entry] = []
 
@@ -185,6 +188,10 @@ class LMProtocol(asyncio.BufferedProtocol):
         self._seen_parsed = 0
         self._seen_unsent = -1
         self._send_since = 0.0
+        # Requests by command number (plus EXIST hits in slot 0), plain ints for metrics:
+        # cheaper on the hot path than string-keyed counters; folded into the state on close.
+        self.by_command = [0] * COMMAND_SLOTS
+        self.timed_since = 0.0  # when the request now waited on began (latency metrics)
 
         # Per-request state: where the current body goes and what happens when it is in
         self.body: memoryview | None = None
@@ -211,6 +218,13 @@ class LMProtocol(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
         self.peer = transport.get_extra_info("peername")
+        if not self.state.access.allows(self.peer):
+            self.counters["connections_refused"] += 1
+            self.counters["connections_refused_not_allowed"] += 1
+            throttled.warning("connection from an address not allowed", peer=self.peer)
+            self.closed = True
+            self.transport.abort()  # type: ignore[union-attr]  # before any read
+            return
         address = self.peer[0] if isinstance(self.peer, tuple) and self.peer else None
         per_address = self.state.connections_per_address
         if self.state.shutting_down:
@@ -241,7 +255,8 @@ class LMProtocol(asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.transport.set_write_buffer_limits(high=0, low=0)  # type: ignore[union-attr]
+        high = write_buffer_high_water(transport)  # 0, or 1 on TLS: see tls.py
+        self.transport.set_write_buffer_limits(high=high, low=0)  # type: ignore[union-attr]
         self.copying_transport = not type(transport).__module__.startswith("uvloop")
         self.state.connections.add(self)
         self.state.no_connections.clear()
@@ -250,7 +265,9 @@ class LMProtocol(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self.state.connections.discard(self)
+        if self in self.state.connections:
+            self.state.connections.discard(self)
+            self.state.fold_command_counts(self.by_command)
         if not self.state.connections:
             self.state.no_connections.set()
         if self.address is not None:
@@ -424,6 +441,10 @@ class LMProtocol(asyncio.BufferedProtocol):
         size = REQUEST_SIZE[generation]
         staging = self.staging_view
         handlers = self._handlers
+        by_command = self.by_command
+        # Requests by command, counted as runs of one command (a pipelined burst is usually one
+        # run): a local small-int add per request instead of a list update.
+        last, run = EXIST_HITS_SLOT, 0
         served = 0
         check = True  # whether the last request may have changed what _can_parse says
         while self.end - self.start >= size:
@@ -443,11 +464,17 @@ class LMProtocol(asyncio.BufferedProtocol):
                 self._on_header(request)
                 check = True
             else:
+                if command == last:
+                    run += 1
+                else:
+                    by_command[last] += run
+                    last, run = command, 1
                 handlers[command](request, _EMPTY)
                 check = command not in _ANSWERED_INLINE
             if self.reply_bytes >= FLUSH_THRESHOLD:
                 self._flush()
                 check = True
+        by_command[last] += run
         self.counters["requests"] += served
         self.parsed += served
 
@@ -465,9 +492,12 @@ class LMProtocol(asyncio.BufferedProtocol):
 
     def _on_header(self, req: Request) -> None:
         command = req.command
+        if req.problem is None:
+            self.by_command[command] += 1
         if req.problem is not None:
             self._refuse(req, Status.FAIL, req.problem, counter="bad_requests")
         elif command == Command.PUT or command == Command.PUT_ACK:
+            self._time_start()
             self._begin_put(req)
         elif req.length > MAX_CONTROL_BODY:
             self._refuse(req, Status.TOO_LARGE, f"body of {req.length} bytes exceeds {MAX_CONTROL_BODY}")
@@ -488,6 +518,9 @@ class LMProtocol(asyncio.BufferedProtocol):
     def _refuse(self, req: Request, status: Status, reason: str, *, counter: str = "refused") -> None:
         """Answer a request the server will not serve, and drop its body unread."""
         self.counters[counter] += 1
+        if req.problem is None:
+            # By command for metrics; not "refused_..." (STATS sums those as refusals once).
+            self.counters[f"command_{int(req.command)}_refused"] += 1
         log.debug("request refused", peer=self.peer, command=req.command, reason=reason)
         if req.command == Command.PUT:
             pass  # fire-and-forget: upstream clients read no reply to a PUT
@@ -584,6 +617,7 @@ class LMProtocol(asyncio.BufferedProtocol):
         upfront = None if first >= req.length else first
         entry = self.store.reserve(req.length, upfront)
         if entry is None:
+            self.counters["put_waits_memory"] += 1
             self._await(
                 self.store.reserve_wait(req.length, self.config.put_wait_timeout, upfront),
                 lambda entry: self._receive_put(req, entry),
@@ -593,6 +627,7 @@ class LMProtocol(asyncio.BufferedProtocol):
 
     def _receive_put(self, req: Request, entry: Entry | None) -> None:
         if entry is None:
+            self._time_end(req.command)
             self._refuse(req, Status.NO_SPACE, "memory is full of objects in use", counter="refused_no_space")
             return
         self.body_entry = entry
@@ -608,12 +643,13 @@ class LMProtocol(asyncio.BufferedProtocol):
         meta = req.meta if req.generation == Generation.V1 else NO_META
         persisted = self.store.commit(req.key, entry, meta, acknowledged=req.command == Command.PUT_ACK)
         self.counters["puts"] += 1
-        if req.command != Command.PUT_ACK:
+        self.counters["put_bytes"] += req.length
+        if req.command != Command.PUT_ACK or persisted is None:
+            self._time_end(req.command)
+            if req.command == Command.PUT_ACK:
+                self._reply(Status.SUCCESS)
             return
-        if persisted is None:
-            self._reply(Status.SUCCESS)
-            return
-        slot = _Held(ready=False)
+        slot = _Held(ready=False, started=self.timed_since)
         self.held.append(slot)
         self.acks_in_flight += 1
         persisted.add_done_callback(lambda done: self._ack_persisted(slot, done.result()))
@@ -622,6 +658,7 @@ class LMProtocol(asyncio.BufferedProtocol):
         self.acks_in_flight -= 1
         if self.closed:
             return
+        self._time_end(Command.PUT_ACK, slot.started)  # others may be timed meanwhile
         assert self.generation is not None
         if ok:
             slot.buffers.append(self._canned[Status.SUCCESS])
@@ -658,12 +695,17 @@ class LMProtocol(asyncio.BufferedProtocol):
         if entry is not None:
             self._reply_object(entry)
         elif self.store.in_lower(req.key):
+            self._time_start()
             self._await(self.store.fetch(req.key), self._reply_fetched)
         else:
             self._reply_miss()
 
     def _exist(self, req: Request, body: memoryview) -> None:
-        self._emit_canned(_SUCCESS if self.store.contains(req.key) else _FAIL)
+        if self.store.contains(req.key):
+            self.by_command[EXIST_HITS_SLOT] += 1
+            self._emit_canned(_SUCCESS)
+        else:
+            self._emit_canned(_FAIL)
 
     def _list(self, req: Request, body: memoryview) -> None:
         # The reply is held from the memory budget, like an object being sent: a client that
@@ -695,6 +737,7 @@ class LMProtocol(asyncio.BufferedProtocol):
         self._emit_canned(Status.FAIL if self.state.shutting_down else Status.SUCCESS)
 
     def _delete(self, req: Request, body: memoryview) -> None:
+        self._time_start()
         self._await(self.store.delete(req.key), self._reply_deleted)
 
     def _exist_many(self, req: Request, body: memoryview) -> None:
@@ -711,6 +754,7 @@ class LMProtocol(asyncio.BufferedProtocol):
         self._reply(Status.SUCCESS, memoryview(encode_json(server_stats(self.state))))
 
     def _reply_fetched(self, entry: Entry | None) -> None:
+        self._time_end(Command.GET)
         if entry is None:
             self._reply_miss()
         else:
@@ -721,7 +765,20 @@ class LMProtocol(asyncio.BufferedProtocol):
         self._reply(Status.FAIL)
 
     def _reply_deleted(self, found: bool) -> None:
+        self._time_end(Command.DELETE)
         self._reply(Status.SUCCESS if found else Status.NOT_FOUND)
+
+    # -- latency of requests that are not answered inline (metrics) ----------------------
+
+    def _time_start(self) -> None:
+        if self.state.latency is not None:
+            self.timed_since = time.perf_counter()
+
+    def _time_end(self, command: int, started: float | None = None) -> None:
+        latency = self.state.latency
+        if latency is not None:
+            since = self.timed_since if started is None else started
+            latency.record(command, time.perf_counter() - since)
 
     # -- replies ------------------------------------------------------------------------
 
@@ -740,6 +797,7 @@ class LMProtocol(asyncio.BufferedProtocol):
         header = encode_reply(Status.SUCCESS, entry.length, generation=self.generation, meta=meta)
         self._emit(header, entry.view, pin=entry)
         self.counters["gets_served"] += 1
+        self.counters["get_bytes"] += entry.length
 
     def _emit_canned(self, status: int) -> None:
         """A reply with no body: one precomputed header (the common case, kept fast)."""
@@ -889,6 +947,10 @@ async def sweep(state: ServerState) -> None:
         for connection in list(state.connections):
             connection.tick(now, close_idle)
 
+
+COMMAND_SLOTS = max(Command) + 1
+EXIST_HITS_SLOT = 0
+"""``by_command`` slot 0 (no command has number 0) counts EXISTs that found their key."""
 
 _EXTENSIONS = frozenset({Command.PUT_ACK, Command.DELETE, Command.EXIST_MANY, Command.STATS})
 _ANSWERED_INLINE = frozenset({Command.EXIST, Command.HEALTH, Command.LIST, Command.STATS})

@@ -7,6 +7,7 @@ the same arguments and decide the same way; only sleeping and waiting differ bet
 from __future__ import annotations
 
 import random
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -21,6 +22,7 @@ from ._exceptions import (
     TimeoutException,
     TransportError,
 )
+from ._tls import SslOption, client_context
 
 DEFAULT_PORT = 65432
 """LMCache's customary ``lm://`` port."""
@@ -136,6 +138,7 @@ class Settings:
     max_connections: int
     exist_many: ExistManyMode
     probe_timeout: float
+    ssl_context: ssl.SSLContext | None = None  # TLS (lms://) when set; see _tls.py
 
 
 def make_settings(
@@ -147,6 +150,7 @@ def make_settings(
     max_connections: int,
     exist_many: ExistManyMode,
     probe_timeout: float,
+    tls: SslOption = None,
 ) -> Settings:
     if isinstance(protocol, Generation):
         generation = protocol
@@ -171,16 +175,21 @@ def make_settings(
         max_connections=max_connections,
         exist_many=exist_many,
         probe_timeout=probe_timeout,
+        ssl_context=client_context(tls),
     )
 
 
 def parse_url(url: str) -> tuple[str, int]:
-    """``lm://host:port`` (as in LMCACHE_REMOTE_URL) to (host, port)."""
+    """``lm://host:port`` (as in LMCACHE_REMOTE_URL), or ``lms://`` (TLS), to (host, port)."""
     parts = urlsplit(url)
-    if parts.scheme != "lm" or not parts.hostname:
-        raise InvalidRequest(f"expected lm://host[:port], not {url!r}")
+    if parts.scheme not in ("lm", "lms") or not parts.hostname:
+        raise InvalidRequest(f"expected lm://host[:port] or lms://host[:port], not {url!r}")
     try:
         port = parts.port
     except ValueError as exc:
         raise InvalidRequest(f"bad port in {url!r}") from exc
     return parts.hostname, port or DEFAULT_PORT
+
+
+def url_wants_tls(url: str) -> bool:
+    return urlsplit(url).scheme == "lms"

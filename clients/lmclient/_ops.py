@@ -43,6 +43,7 @@ from ._config import (
     Timeout,
     make_settings,
     parse_url,
+    url_wants_tls,
 )
 from ._exceptions import (
     BufferTooSmall,
@@ -57,6 +58,7 @@ from ._exceptions import (
     TransportError,
     WriteError,
 )
+from ._tls import SslOption
 from ._wire import Received, Sink, fresh_sink, readable_view, writable_view
 
 if TYPE_CHECKING:
@@ -337,9 +339,10 @@ class BaseClient:
         max_connections: int = 4,
         exist_many: ExistManyMode = "auto",
         probe_timeout: float = 2.0,
+        ssl: SslOption = None,
     ) -> None:
         self._settings: Settings = make_settings(
-            host, port, protocol, timeout, retry, max_connections, exist_many, probe_timeout
+            host, port, protocol, timeout, retry, max_connections, exist_many, probe_timeout, ssl
         )
         self._commands = Commands(self._settings.generation)
         self._exist_many: bool | None = {"auto": None, "always": True, "never": False}[exist_many]
@@ -351,8 +354,11 @@ class BaseClient:
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> Self:
-        """A client for ``lm://host:port`` (LMCache's ``LMCACHE_REMOTE_URL`` form)."""
+        """A client for ``lm://host:port`` (LMCache's ``LMCACHE_REMOTE_URL`` form), or
+        ``lms://host:port`` for TLS with the system's CAs (pass ``ssl=context`` for others)."""
         host, port = parse_url(url)
+        if url_wants_tls(url):
+            kwargs.setdefault("ssl", True)
         return cls(host, port, **kwargs)
 
     @property
