@@ -1,0 +1,10 @@
+"""The Hugging Face Buckets tier (``--tier hf://buckets/<namespace>/<bucket>[/<prefix>]``).
+
+Only ``client`` imports ``huggingface_hub``; it is imported when a tier opens, so this
+package (and a bad handle's error) needs no extra installed.
+"""
+
+from .naming import Handle, parse_handle
+from .tier import HFBucketTier, HFVictim, Options
+
+__all__ = ["HFBucketTier", "HFVictim", "Handle", "Options", "parse_handle"]
