@@ -13,11 +13,13 @@ test can check the routes the real client sends are the ones served here.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import http.server
 import json
 import pathlib
 import re
+import socket
 import struct
 import threading
 import time
@@ -113,6 +115,8 @@ class FakeHub:
         self.silently_drop: Callable[[str], bool] = lambda path: False
         self.requests: list[tuple[str, str]] = []  # (route name or "?", raw path)
         self.latency_s = 0.0
+        self.fail_after_batch = 0  # apply the next N batches, then answer 500 anyway
+        self._conns: set[socket.socket] = set()
         self._server: http.server.ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self.port = 0
@@ -137,9 +141,15 @@ class FakeHub:
         return self
 
     def stop(self) -> None:
-        """Stop listening (the port is kept, so ``start()`` again resumes on the same URL)."""
+        """Stop listening and drop open connections, as a Hub going away would (the port is
+        kept, so ``start()`` again resumes on the same URL)."""
         if self._server is not None:
             self._server.shutdown()
+            with self.lock:
+                conns, self._conns = set(self._conns), set()
+            for conn in conns:  # keep-alive connections would otherwise go on being served
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
             self._server.server_close()
             assert self._thread is not None
             self._thread.join()
@@ -189,6 +199,17 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:  # quiet
         pass
+
+    def setup(self) -> None:
+        super().setup()
+        with self.owner.lock:
+            self.owner._conns.add(self.connection)
+
+    def finish(self) -> None:
+        with self.owner.lock:
+            self.owner._conns.discard(self.connection)
+        with contextlib.suppress(OSError):
+            super().finish()
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -339,6 +360,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     files[path] = FileRec(size, xet_hash, op["mtime"] / 1000)
                 else:
                     failed.append({"path": path, "error": f"unsupported op {op['type']}"})
+        with hub.lock:
+            lost_reply = hub.fail_after_batch > 0
+            hub.fail_after_batch -= lost_reply
+        if lost_reply:
+            self._reply(500, {"error": "injected 500 after applying the batch"})
+            return
         status = 422 if failed and len(failed) == len(ops) else 200
         self._reply(status, {"failed": failed} if failed else {"success": True})
 

@@ -20,6 +20,11 @@ os.environ.setdefault("HF_HOME", tempfile.mkdtemp(prefix="lmserver-test-hfhome-"
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
 os.environ.pop("HF_HUB_OFFLINE", None)
+# hf_xet's own retries (CAS and xet-token requests): keep them, but short, so a Hub that
+# went away fails a batch in well under a second instead of minutes.
+os.environ["HF_XET_CLIENT_RETRY_MAX_ATTEMPTS"] = "2"
+os.environ["HF_XET_CLIENT_RETRY_BASE_DELAY"] = "10ms"
+os.environ["HF_XET_CLIENT_RETRY_MAX_DURATION"] = "2s"
 
 from fakehub import TOKEN, FakeHub
 

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("huggingface_hub")
 
 from fakehub import ROUTES, FakeHub
-from fakehub.fixtures import BUCKET, hub, make_tier, no_backoff  # noqa: F401
+from fakehub.fixtures import BUCKET
 
 from lmproto import ObjectMeta
 from lmserver.tiers.hf import client
@@ -59,7 +59,7 @@ def test_streaming_reads_are_available() -> None:
     assert client.STREAMING
 
 
-async def test_fake_hub_serves_every_route_the_client_sends(hub: FakeHub, make_tier) -> None:  # noqa: F811
+async def test_fake_hub_serves_every_route_the_client_sends(hub: FakeHub, make_tier) -> None:
     tier = await make_tier(create=True)
     assert await tier.put("k1", memoryview(b"x" * 1000), META)
     buf = bytearray(1000)

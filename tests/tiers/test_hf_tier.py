@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("huggingface_hub")
 
 from fakehub import FakeHub
-from fakehub.fixtures import BUCKET, HANDLE, hub, make_tier, no_backoff  # noqa: F401
+from fakehub.fixtures import BUCKET
 
 from lmproto import ObjectMeta
 from lmserver.tiers.base import ConfigError
@@ -58,7 +58,7 @@ def test_bad_handles_are_config_errors(text: str) -> None:
         parse_handle(text)
 
 
-async def test_round_trips_from_empty_to_32_mib(hub: FakeHub, make_tier) -> None:  # noqa: F811
+async def test_round_trips_from_empty_to_32_mib(hub: FakeHub, make_tier) -> None:
     tier = await make_tier()
     sizes = [0, 1, 4095, 64 << 10, 1 << 20, 32 << 20]
     blobs = {f"key-{n}": os.urandom(n) for n in sizes}
@@ -76,7 +76,7 @@ async def test_round_trips_from_empty_to_32_mib(hub: FakeHub, make_tier) -> None
     assert usage.counters["is_healthy"] is True
 
 
-async def test_object_paths_are_hashes_of_the_key(hub: FakeHub, make_tier) -> None:  # noqa: F811
+async def test_object_paths_are_hashes_of_the_key(hub: FakeHub, make_tier) -> None:
     tier = await make_tier()
     hostile = "../../etc/passwd\x00" + "é" * 60 + "/" * 20
     assert await tier.put(hostile, memoryview(b"v"), META)
@@ -84,7 +84,7 @@ async def test_object_paths_are_hashes_of_the_key(hub: FakeHub, make_tier) -> No
     assert await read(tier, hostile) == b"v"
 
 
-async def test_overwrite_and_delete(hub: FakeHub, make_tier) -> None:  # noqa: F811
+async def test_overwrite_and_delete(hub: FakeHub, make_tier) -> None:
     tier = await make_tier()
     assert await tier.put("k", memoryview(b"a" * 100), META)
     assert await tier.put("k", memoryview(b"b" * 300), META)
@@ -104,7 +104,7 @@ async def test_overwrite_and_delete(hub: FakeHub, make_tier) -> None:  # noqa: F
     assert tier.usage().bytes == 0
 
 
-async def test_restart_learns_the_bucket(hub: FakeHub, make_tier) -> None:  # noqa: F811
+async def test_restart_learns_the_bucket(hub: FakeHub, make_tier) -> None:
     first = await make_tier()
     blobs = {f"k{i}": os.urandom(1000 + i) for i in range(5)}
     await asyncio.gather(*(first.put(k, memoryview(v), META) for k, v in blobs.items()))
@@ -118,7 +118,7 @@ async def test_restart_learns_the_bucket(hub: FakeHub, make_tier) -> None:  # no
     assert sorted(again.keys()) == sorted(blobs)  # keys learned from headers on read
 
 
-async def test_two_tiers_share_a_bucket(hub: FakeHub, make_tier) -> None:  # noqa: F811
+async def test_two_tiers_share_a_bucket(hub: FakeHub, make_tier) -> None:
     writer = await make_tier()
     reader = await make_tier(refresh_s=0.2)
     assert not reader.contains("shared")

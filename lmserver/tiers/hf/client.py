@@ -99,6 +99,17 @@ def classify(exc: BaseException) -> HubError:
     return HubError("error", f"{name}: {text[:200]}")
 
 
+def bound_xet_retries(timeout_s: float) -> None:
+    """hf_xet retries a failing CAS or token request for up to 6 minutes by default, which
+    would stall every batch while the Hub is away: bound it by the tier's ``timeout``.
+    These are defaults for hf_xet's environment configuration (read when its session is
+    created), so an operator's own ``HF_XET_CLIENT_*`` settings win."""
+    seconds = max(1, round(timeout_s))
+    os.environ.setdefault("HF_XET_CLIENT_RETRY_MAX_DURATION", f"{seconds}s")
+    os.environ.setdefault("HF_XET_CLIENT_CONNECT_TIMEOUT", f"{min(seconds, 10)}s")
+    os.environ.setdefault("HF_XET_CLIENT_READ_TIMEOUT", f"{seconds}s")
+
+
 class HubClient:
     def __init__(
         self,
@@ -108,8 +119,10 @@ class HubClient:
         endpoint: str | None,
         cache_dir: str,
         read_mode: ReadMode = "auto",
+        timeout_s: float = 60.0,
     ) -> None:
         disable_progress_bars()  # a server's stderr is for logs, not progress bars
+        bound_xet_retries(timeout_s)
         self.bucket_id = bucket_id
         self._token: str | bool = token if token else False
         self.api = HfApi(endpoint=endpoint, token=self._token)

@@ -149,6 +149,7 @@ class Options:
     private: bool = True
     cache_dir: str | None = None
     read_mode: ReadMode = "auto"
+    timeout_s: float = 60.0
 
 
 def _fraction(spec: TierSpec, name: str, default: float) -> float:
@@ -226,6 +227,7 @@ class HFBucketTier(Tier):
             private=spec.flag("private", True),
             cache_dir=spec.string("cache_dir", "") or None,
             read_mode=read_mode,
+            timeout_s=spec.seconds("timeout", 60.0, minimum=1.0),
         )
         return cls(handle, token=token, endpoint=endpoint, options=options)
 
@@ -249,6 +251,7 @@ class HFBucketTier(Tier):
             endpoint=self._endpoint,
             cache_dir=self._cache_dir,
             read_mode=self.opts.read_mode,
+            timeout_s=self.opts.timeout_s,
         )
 
     async def open(self) -> None:
@@ -486,6 +489,11 @@ class HFBucketTier(Tier):
             self._counters["batches"] += 1
             if rejected:
                 self._counters["batch_partial"] += 1
+        # Health first: a caller told its write failed must already see the tier unhealthy.
+        if error is not None and not (rejected and found is not None):
+            self._failed(error, "hf tier: batch commit failed")
+        elif found is not None:
+            self._succeeded()
         for add in adds:
             info = found.get(add.path) if found is not None else None
             ok = info is not None and add.path not in rejected and info.size == add.record.size
@@ -499,10 +507,6 @@ class HFBucketTier(Tier):
             if found is None or delete.path in found:
                 self._count("delete_failures")
             self._index.forget(delete.record.size)
-        if error is not None and not (rejected and found is not None):
-            self._failed(error, "hf tier: batch commit failed")
-        elif found is not None:
-            self._succeeded()
         if rejected:
             self._warn("hf tier: the Hub rejected part of a batch", rejected=len(rejected))
         self._watermark()
