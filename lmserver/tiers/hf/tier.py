@@ -41,7 +41,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -104,7 +104,7 @@ class _Obj:
     header: _diskfile.Header | None = None
     readers: int = 0
     discard: bool = False  # evicted or deleted while being read: delete after the last read
-    committed: float = field(default_factory=time.monotonic)
+    committed: float = 0.0  # monotonic time it was indexed; 0 until then
 
 
 @dataclass(eq=False, slots=True)
@@ -502,16 +502,18 @@ class HFBucketTier(Tier):
                 add.record.xet_hash = info.xet_hash
                 if error is not None:
                     self._count("reconciled")
-            self._finish_add(add, ok)
+            self._finish_add(add, ok, resolve=False)
         for delete in deletes:
             if found is None or delete.path in found:
                 self._count("delete_failures")
             self._index.forget(delete.record.size)
         if rejected:
             self._warn("hf tier: the Hub rejected part of a batch", rejected=len(rejected))
-        self._watermark()
+        self._watermark()  # before the writers hear back, so they see usage settled
+        for add in adds:
+            add.future.set_result(add.record.committed > 0)
 
-    def _finish_add(self, job: _Add, ok: bool) -> None:
+    def _finish_add(self, job: _Add, ok: bool, *, resolve: bool = True) -> None:
         with contextlib.suppress(OSError):
             os.unlink(job.spool)
         size = job.record.size
@@ -523,7 +525,8 @@ class HFBucketTier(Tier):
             self._index.cancel(size)
             self._count("write_failures")
         self._write_done(job.name, size)
-        job.future.set_result(ok)
+        if resolve:
+            job.future.set_result(ok)
 
     def _write_done(self, name: str, size: int) -> None:
         with self._mu:
@@ -548,7 +551,7 @@ class HFBucketTier(Tier):
         if not self.capacity:
             return
         index = self._index
-        if index.bytes <= self.opts.trigger * self.capacity:
+        if index.bytes < self.opts.trigger * self.capacity:
             return
         target = (self.opts.trigger - self.opts.ratio) * self.capacity
         victims = []
@@ -557,11 +560,15 @@ class HFBucketTier(Tier):
                 break
             if index.remove(name, record) is not None:
                 victims.append((name, record))
-        self._evicted(victims)
+        self._evicted(victims, doomed=True)
 
-    def _evicted(self, victims: Iterable[tuple[str, _Obj]]) -> None:
+    def _evicted(self, victims: Iterable[tuple[str, _Obj]], *, doomed: bool = False) -> None:
+        """Evicted objects stay in the bucket until handed off and released, or deleted: their
+        bytes are held until then (``doomed``: ``LRUIndex.remove`` booked them already)."""
         for name, record in victims:
             self._count("evictions")
+            if not doomed:
+                self._index.hold(record.size)
             header = record.header
             if header is not None and record.key is not None and record.xet_hash:
                 self.hand_off(HFVictim(self, name, record, header))
