@@ -210,7 +210,8 @@ class HFBucketTier(Tier):
     def from_spec(cls, spec: TierSpec) -> HFBucketTier:
         handle = parse_handle("hf:" + spec.target)
         token_env = spec.string("token_env", "HF_TOKEN")
-        token = os.environ.get(token_env) or spec.string("token", "") or None
+        token_option = spec.string("token", "")  # read either way: it is a known option
+        token = os.environ.get(token_env) or token_option or None
         endpoint = spec.string("endpoint", "") or os.environ.get("HF_ENDPOINT") or None
         read_mode: ReadMode = spec.choice("read", ("auto", "stream", "file"), "auto")
         options = Options(
