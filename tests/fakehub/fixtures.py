@@ -45,6 +45,10 @@ def hub(tmp_path: Path) -> Iterator[FakeHub]:
 @pytest.fixture
 def no_backoff(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     """Skip huggingface_hub's retry sleeps (1, 2, 4, 8, 8 s); returns the sleeps asked for."""
+    return skip_backoff_sleeps(monkeypatch)
+
+
+def skip_backoff_sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     from huggingface_hub.utils import _http
 
     slept: list[float] = []
