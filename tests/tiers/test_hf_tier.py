@@ -143,3 +143,13 @@ async def test_two_tiers_share_a_bucket(hub: FakeHub, make_tier) -> None:
         await asyncio.sleep(0.05)
     assert not reader.contains("shared")
     assert reader.usage().counters["removed_by_others"] == 1
+
+
+async def test_metadata_the_format_cannot_hold_is_declined(hub: FakeHub, make_tier) -> None:
+    tier = await make_tier()
+    assert not await tier.put("k", memoryview(b"v"), ObjectMeta(1, 2, (1, 2, 3), 0))
+    assert not await tier.put("x" * 5000, memoryview(b"v"), META)
+    usage = tier.usage()
+    assert usage.counters["declined_invalid"] == 2
+    assert (usage.objects, usage.bytes, usage.counters["pending_bytes"]) == (0, 0, 0)
+    assert tier._index.reserved == 0 and hub.files(BUCKET) == {}

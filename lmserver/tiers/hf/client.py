@@ -48,6 +48,7 @@ CALLS: dict[str, tuple[str, ...]] = {
 }
 CAUGHT: tuple[str, ...] = ("HfHubHTTPError", "BucketNotFoundError", "BucketBatchError")
 STREAMING = hasattr(hf_xet.XetSession, "new_download_stream_group")
+STREAM_PIECE = 1 << 20
 
 
 class FileInfo:
@@ -226,16 +227,21 @@ class HubClient:
 
     def _stream_into(self, info: FileInfo, start: int, buf: memoryview) -> int:
         group = self._stream_group(info.path)
-        end = start + len(buf)
+        file_info = hf_xet.XetFileInfo(info.xet_hash, info.size)
         got = 0
         try:
-            stream = group.download_unordered_stream(hf_xet.XetFileInfo(info.xet_hash, info.size), start, end)
-            for offset, chunk in stream:
-                n = len(chunk)
-                if offset < 0 or offset + n > len(buf):
-                    raise HubError("error", "hf_xet returned a chunk outside the requested range")
-                buf[offset : offset + n] = chunk
-                got += n
+            # Range by range: hf_xet hands a range over as one bytes object, built while it
+            # holds the GIL, so a whole 32 MiB object stalls the event loop for ~80 ms;
+            # 1 MiB pieces keep each stall under ~10 ms and measured no slower here.
+            for first in range(0, len(buf), STREAM_PIECE):
+                piece = buf[first : first + STREAM_PIECE]
+                stream = group.download_unordered_stream(file_info, start + first, start + first + len(piece))
+                for offset, chunk in stream:
+                    n = len(chunk)
+                    if offset < 0 or offset + n > len(piece):
+                        raise HubError("error", "hf_xet returned a chunk outside the requested range")
+                    piece[offset : offset + n] = chunk
+                    got += n
         except Exception:
             with self._lock:  # a broken group (expired token refresh, CAS down) is rebuilt
                 self._group = None

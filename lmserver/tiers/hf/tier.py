@@ -356,12 +356,11 @@ class HFBucketTier(Tier):
     async def put(self, key: str, data: memoryview, meta: ObjectMeta) -> bool:
         if self._closed or self._batcher is None:
             return False
-        try:
-            header, _ = encode_header(key, data, meta, time.time_ns())
-        except ValueError:
+        key_bytes = key.encode("utf-8")
+        if len(key_bytes) > _diskfile.MAX_KEY_BYTES:
             self._count("declined_invalid")
             return False
-        size = len(header) + len(data)
+        size = _diskfile.header_size(key_bytes) + len(data)
         if self.capacity and size > self.capacity:
             self._count("declined_too_large")
             return False
@@ -381,17 +380,16 @@ class HFBucketTier(Tier):
             self._count("declined_no_space")
             return False
         self._evicted(victims)
-        try:
-            spool = await self._workers.run(self._spool, header, data)
-        except (OSError, TierClosed) as exc:
+        try:  # the CRC of the body is computed there too, off the event loop
+            spool, header = await self._workers.run(self._spool, key, data, meta)
+        except (OSError, ValueError, TierClosed) as exc:
             self._index.cancel(size)
             self._write_done(name, size)
-            self._count("write_failures")
+            self._count("declined_invalid" if isinstance(exc, ValueError) else "write_failures")
             if isinstance(exc, OSError):
                 self._warn("hf tier: spool write failed; object not stored", error=str(exc))
             return False
-        h = _diskfile.decode_header(header)
-        record = _Obj(size, "", key, h)
+        record = _Obj(size, "", key, header)
         job = _Add(name, self.handle.path_of(name), spool, record, concurrent.futures.Future())
         try:
             self._batcher.submit(job)
@@ -449,7 +447,10 @@ class HFBucketTier(Tier):
 
     # -- writes: the worker and batcher side -----------------------------------------------
 
-    def _spool(self, header: bytes, data: memoryview) -> str:
+    def _spool(self, key: str, data: memoryview, meta: ObjectMeta) -> tuple[str, _diskfile.Header]:
+        """Write the object (header + body) to a spool file; ValueError for metadata the
+        format cannot hold."""
+        header, _ = encode_header(key, data, meta, time.time_ns())
         path = os.path.join(self._cache_dir, f"up-{uuid.uuid4().hex}")
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
@@ -460,7 +461,7 @@ class HFBucketTier(Tier):
                 os.unlink(path)
             raise
         os.close(fd)
-        return path
+        return path, _diskfile.decode_header(header)
 
     def _run_batch(self, jobs: list[_Job]) -> None:
         """The batcher thread: one commit, then reconcile every path it touched."""
