@@ -14,8 +14,9 @@ For each object size:
 * **promote**: ``HFBucketTier.get_into`` of every object into a preallocated buffer, with
   ``read=stream`` (straight into the buffer) and ``read=file`` (a temp file, then read).
 
-While the tier works, a ticker on the same event loop sleeps 1 ms at a time and records how
-late each wake-up is: the loop lag (p50/p99/max; an idle run of the ticker is the baseline).
+The fake Hub runs in a child process. While the tier works, a ticker on the same event loop
+sleeps 1 ms at a time and records how late each wake-up is: the loop lag (p50/p99/max; an
+idle run of the ticker is the baseline).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import functools
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -97,7 +99,6 @@ async def bench_size(hub: Any, size: int, count: int, concurrency: int, root: Pa
     from huggingface_hub import HfApi
 
     bucket = f"bench/s{size}"
-    hub.create(bucket)
     blobs = [os.urandom(size) for _ in range(count)]
     total = size * count
     result: dict[str, Any] = {"size": size, "objects": count, "concurrency": concurrency}
@@ -182,12 +183,37 @@ async def _tier_pass(
     return result
 
 
-async def run(sizes: list[int], total_bytes: int, concurrency: int) -> dict[str, Any]:
-    from fakehub import FakeHub
+class HubProcess:
+    """The fake Hub in a child process, so its HTTP handling does not take the measured
+    process's GIL (which would show up as event-loop lag that is not the tier's)."""
 
+    def __init__(self, root: Path, buckets: list[str]) -> None:
+        env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "fakehub", str(root), *buckets],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        self.endpoint = self.proc.stdout.readline().strip()
+        if not self.endpoint.startswith("http://"):
+            raise RuntimeError("the fake Hub did not start")
+
+    def create(self, bucket: str) -> None:
+        raise RuntimeError("buckets are created when the process starts")
+
+    def stop(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+async def run(sizes: list[int], total_bytes: int, concurrency: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="lmserver-bench-hf-") as tmp:
         root = Path(tmp)
-        hub = FakeHub(root / "hub").start()
+        hub = HubProcess(root / "hub", [f"bench/s{size}" for size in sizes])
         try:
             idle = LagProbe()
             with idle:
@@ -229,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.hfbucket", description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1,32", help="object sizes in MiB, comma-separated")
     parser.add_argument("--total", type=int, default=256, help="MiB moved per size and direction")
-    parser.add_argument("--concurrency", type=int, default=8, help="tier operations in flight")
+    parser.add_argument("--concurrency", type=int, default=32, help="tier operations in flight")
     parser.add_argument("--out", help="write results.json and table.md here")
     args = parser.parse_args(argv)
     sizes = [int(s) * MiB for s in args.sizes.split(",")]

@@ -116,6 +116,7 @@ async def test_from_spec_reads_every_option(hub: FakeHub, monkeypatch: pytest.Mo
         f"{HANDLE}?token_env=MY_TOKEN&token=hf_ignored&create=true&capacity=1GiB&trigger=0.9&ratio=0.3"
         f"&refresh=5&workers=2&batch=16&batch_bytes=64MiB&window=0.02&max_pending=512MiB"
         f"&cache_dir={tmp_path}/c&read=file&timeout=30&private=false&endpoint={hub.endpoint}&mode=demote"
+        "&learn_keys=false"
     )
     tier, chain = registry.build(spec)
     assert isinstance(tier, HFBucketTier) and chain.mode == "demote"
@@ -125,7 +126,7 @@ async def test_from_spec_reads_every_option(hub: FakeHub, monkeypatch: pytest.Mo
     assert (o.capacity, o.trigger, o.ratio, o.refresh_s, o.workers) == (1 << 30, 0.9, 0.3, 5.0, 2)
     assert (o.batch_ops, o.batch_bytes, o.window_s, o.max_pending) == (16, 64 << 20, 0.02, 512 << 20)
     assert (o.create, o.private, o.read_mode, o.timeout_s) == (True, False, "file", 30.0)
-    assert o.cache_dir == f"{tmp_path}/c"
+    assert o.cache_dir == f"{tmp_path}/c" and not o.learn_keys
     monkeypatch.delenv("MY_TOKEN")
     tier2, _ = registry.build(TierSpec.parse(f"{HANDLE}?token_env=MY_TOKEN&token=hf_option"))
     assert tier2._token == "hf_option"
@@ -149,3 +150,25 @@ def test_bad_specs_are_config_errors(text: str) -> None:
     with pytest.raises(ConfigError) as info:
         registry.build(TierSpec.parse(text + ("&" if "?" in text else "?") + "token=hf_secret_value"))
     assert "hf_secret_value" not in str(info.value)
+
+
+async def test_startup_listing_pages_through_a_large_bucket(hub: FakeHub, make_tier) -> None:
+    # Listing only needs the Hub's records (no bytes): 2500 objects span three pages.
+    from fakehub import FileRec
+
+    with hub.lock:
+        files = hub.buckets[BUCKET]
+        for i in range(2500):
+            files[f"cache/{object_name(f'big{i}')}"] = FileRec(1000, f"{i:064x}", mtime=1000.0 + i)
+        files["cache/not-an-object.txt"] = FileRec(5, "f" * 64, mtime=0.0)
+        files[f"other/{object_name('elsewhere')}"] = FileRec(5, "e" * 64, mtime=0.0)
+    tier = await make_tier(capacity=2000 * 1000, trigger=1.0, ratio=0.1, learn_keys=False)
+    usage = tier.usage()
+    # Over capacity at start: the oldest (by mtime) were evicted down to the low watermark.
+    assert usage.objects == 1800 and usage.bytes == 1800 * 1000
+    assert usage.counters["evictions"] == 700
+    assert tier.contains("big2499") and not tier.contains("big0")
+    assert not tier.contains("elsewhere")
+    tree_pages = sum(1 for name, _ in hub.requests if name == "tree")
+    assert tree_pages == 3
+    await eventually(lambda: len(hub.files(BUCKET)) == 1802, "evicted objects deleted")

@@ -150,6 +150,7 @@ class Options:
     cache_dir: str | None = None
     read_mode: ReadMode = "auto"
     timeout_s: float = 60.0
+    learn_keys: bool = True
 
 
 def _fraction(spec: TierSpec, name: str, default: float) -> float:
@@ -229,6 +230,7 @@ class HFBucketTier(Tier):
             cache_dir=spec.string("cache_dir", "") or None,
             read_mode=read_mode,
             timeout_s=spec.seconds("timeout", 60.0, minimum=1.0),
+            learn_keys=spec.flag("learn_keys", True),
         )
         return cls(handle, token=token, endpoint=endpoint, options=options)
 
@@ -257,17 +259,18 @@ class HFBucketTier(Tier):
 
     async def open(self) -> None:
         self._client = await self._workers.run(self._make_client)
-        try:
-            await self._workers.run(self._open_sync)
-        except BaseException:
-            await self._shutdown()
-            raise
+        # Before the listing: objects over capacity at start are deleted through it.
         self._batcher = Batcher(
             self._run_batch,
             max_ops=self.opts.batch_ops,
             max_bytes=self.opts.batch_bytes,
             window_s=self.opts.window_s,
         )
+        try:
+            await self._workers.run(self._open_sync)
+        except BaseException:
+            await self._shutdown()
+            raise
         self._refresher = threading.Thread(target=self._refresh_loop, name="lmserver-hf-refresh", daemon=True)
         self._refresher.start()
 
@@ -317,6 +320,8 @@ class HFBucketTier(Tier):
 
     async def _shutdown(self) -> None:
         self._closed = True
+        if self._batcher is not None:
+            await asyncio.to_thread(self._batcher.close)
         self._workers.shutdown(wait=False)
         if self._own_cache_dir and self._cache_dir:
             shutil.rmtree(self._cache_dir, ignore_errors=True)
@@ -747,7 +752,8 @@ class HFBucketTier(Tier):
                 if not self._listed or (self.opts.refresh_s and now >= next_listing):
                     self._sync_listing()
                     next_listing = time.monotonic() + self.opts.refresh_s
-                self._learn_some_headers()
+                if self.opts.learn_keys:
+                    self._learn_some_headers()
             except HubError as exc:
                 self._failed(exc, "hf tier: bucket refresh failed")
             except Exception as exc:  # never let the thread die silently
