@@ -182,3 +182,43 @@ async def test_pending_writes_are_bounded(hub: FakeHub, make_tier) -> None:
     assert results.count(True) == 2
     assert tier.usage().counters["dropped_queue_full"] == 2
     assert tier.usage().bytes == bucket_bytes(hub)
+
+
+async def test_exhausted_rate_limit_backs_off_as_long_as_the_hub_asks(hub: FakeHub, make_tier) -> None:
+    tier = await make_tier()
+    hub.fail("batch", 429, times=6, headers={"Retry-After": "120"})
+    assert not await tier.put("k", memoryview(b"v"), META)
+    assert not tier.healthy
+    assert tier._retry_at - time.monotonic() > 100  # Retry-After, not the 1 s first backoff
+    assert not await tier.put("k2", memoryview(b"v"), META)
+    assert tier.usage().counters["dropped_unhealthy"] == 1
+
+
+async def test_a_revoked_token_is_reported_and_never_logged(hub: FakeHub, make_tier) -> None:
+    from fakehub import TOKEN
+    from structlog.testing import capture_logs
+
+    with capture_logs() as logs:
+        tier = await make_tier()
+        hub.token = "hf_a_newer_token"  # the server's token no longer works
+        assert not await tier.put("k", memoryview(b"v"), META)
+        assert not tier.healthy
+        hub.token = TOKEN
+        await eventually(lambda: tier.healthy, "recovery once the token works again")
+    assert any(entry.get("kind") == "unauthorized" for entry in logs)
+    assert TOKEN not in repr(logs)
+
+
+async def test_close_with_operations_in_flight(hub: FakeHub, make_tier) -> None:
+    tier = await make_tier(window_s=0.2)
+    assert await tier.put("old", memoryview(b"o" * 1000), META)
+    puts = [asyncio.ensure_future(tier.put(f"k{i}", memoryview(b"x" * 1000), META)) for i in range(10)]
+    gets = [asyncio.ensure_future(read(tier, "old")) for _ in range(5)]
+    await asyncio.sleep(0.05)
+    await tier.close()
+    results = await asyncio.gather(*puts, *gets)
+    assert all(r in (True, False) for r in results[:10])
+    assert all(r in (b"o" * 1000, None) for r in results[10:])
+    assert not await tier.put("late", memoryview(b"v"), META)
+    assert await read(tier, "old") is None
+    assert tier.usage().bytes == bucket_bytes(hub)  # what was queued was committed
