@@ -114,7 +114,7 @@ class FakeHub:
         self.reject: Callable[[str], str | None] = lambda path: None  # path -> error text
         self.silently_drop: Callable[[str], bool] = lambda path: False
         self.requests: list[tuple[str, str]] = []  # (route name or "?", raw path)
-        self.latency_s = 0.0
+        self.delays: dict[str, float] = {}  # route name -> seconds before answering
         self.fail_after_batch = 0  # apply the next N batches, then answer 500 anyway
         self._conns: set[socket.socket] = set()
         self._server: http.server.ThreadingHTTPServer | None = None
@@ -247,8 +247,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return
         with hub.lock:
             hub.requests.append((name, f"{self.command} {path}"))
-        if hub.latency_s:
-            time.sleep(hub.latency_s)
+        delay = hub.delays.get(name, 0.0)
+        if delay:
+            time.sleep(delay)
         fault = hub._take_fault(name)
         if fault is not None:
             self._reply(fault.status, {"error": f"injected {fault.status}"}, fault.headers)
@@ -261,7 +262,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         query = urllib.parse.parse_qs(url.query)
         getattr(self, "_r_" + name.replace("-", "_"))(bucket_id, groups, body, query)
 
-    do_GET = do_POST = do_HEAD = _dispatch
+    def _serve(self) -> None:
+        try:
+            self._dispatch()
+        except (BrokenPipeError, ConnectionResetError):  # the client gave up (a timeout)
+            self.close_connection = True
+
+    do_GET = do_POST = do_HEAD = _serve
 
     # -- routes ----------------------------------------------------------------------------
 

@@ -222,3 +222,15 @@ async def test_close_with_operations_in_flight(hub: FakeHub, make_tier) -> None:
     assert not await tier.put("late", memoryview(b"v"), META)
     assert await read(tier, "old") is None
     assert tier.usage().bytes == bucket_bytes(hub)  # what was queued was committed
+
+
+async def test_a_hub_that_never_answers_times_out(hub: FakeHub, make_tier) -> None:
+    tier = await make_tier(timeout_s=0.3)
+    hub.delays["paths-info"] = 2.0  # the batch lands, the reconciliation hangs
+    assert not await tier.put("k", memoryview(b"v" * 100), META)
+    assert not tier.healthy and tier.usage().counters["write_failures"] == 1
+    assert tier.usage().objects == 0  # unknown outcome: not counted ...
+    hub.delays.clear()
+    await eventually(lambda: tier.healthy, "recovery")
+    await asyncio.to_thread(tier._sync_listing)  # ... until the next listing finds it
+    assert tier.contains("k") and tier.usage().bytes == bucket_bytes(hub)

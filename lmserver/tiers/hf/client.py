@@ -25,7 +25,11 @@ import hf_xet
 import huggingface_hub
 from huggingface_hub import BucketFile, HfApi
 from huggingface_hub.errors import BucketNotFoundError, HfHubHTTPError
-from huggingface_hub.utils import build_hf_headers, disable_progress_bars  # type: ignore[attr-defined]
+from huggingface_hub.utils import (  # type: ignore[attr-defined]
+    build_hf_headers,
+    disable_progress_bars,
+    set_client_factory,
+)
 
 from .errors import BatchFailed, HubError, Kind
 
@@ -111,6 +115,33 @@ def bound_xet_retries(timeout_s: float) -> None:
     os.environ.setdefault("HF_XET_CLIENT_READ_TIMEOUT", f"{seconds}s")
 
 
+_http_timeout_s: float | None = None
+
+
+def bound_http_timeout(timeout_s: float) -> None:
+    """huggingface_hub's HTTP client has no timeout: a Hub that accepts a connection and
+    never answers would hold a worker forever. Give its default client one (the last tier
+    opened sets it; the client is shared by the whole process). A client factory the
+    embedding application installed itself is left alone."""
+    global _http_timeout_s
+    from huggingface_hub.utils import _http
+
+    default = getattr(_http, "default_client_factory", None)
+    current = getattr(_http, "_GLOBAL_CLIENT_FACTORY", None)
+    if default is None or current not in (default, _timeout_client):
+        return  # an unknown version, or an application's own factory
+    _http_timeout_s = timeout_s
+    set_client_factory(_timeout_client)  # also closes the current client
+
+
+def _timeout_client() -> Any:
+    from huggingface_hub.utils import _http
+
+    client = _http.default_client_factory()
+    client.timeout = _http_timeout_s
+    return client
+
+
 class HubClient:
     def __init__(
         self,
@@ -124,6 +155,7 @@ class HubClient:
     ) -> None:
         disable_progress_bars()  # a server's stderr is for logs, not progress bars
         bound_xet_retries(timeout_s)
+        bound_http_timeout(timeout_s)
         self.bucket_id = bucket_id
         self._token: str | bool = token if token else False
         self.api = HfApi(endpoint=endpoint, token=self._token)
