@@ -42,7 +42,8 @@ def wait_for(check, what: str, deadline_s: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def test_two_servers_share_one_bucket(make_server_thread, fake_hub: FakeHub, monkeypatch) -> None:
+def test_two_servers_share_one_bucket(fake_hub: FakeHub, make_server_thread, monkeypatch) -> None:
+    # (fake_hub first: it is set up first and torn down last, after the servers)
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     spec = f"hf://buckets/{BUCKET}/srv?endpoint={fake_hub.endpoint}&mode=write-behind&refresh=0.2&window=0.01"
     writer = make_server_thread(memory_limit=64 * MiB, tiers=(spec,))
@@ -70,7 +71,7 @@ def test_two_servers_share_one_bucket(make_server_thread, fake_hub: FakeHub, mon
 
 
 def test_the_hub_going_away_leaves_the_server_serving(
-    make_server_thread, fake_hub: FakeHub, monkeypatch
+    fake_hub: FakeHub, make_server_thread, monkeypatch
 ) -> None:
     skip_backoff_sleeps(monkeypatch)  # huggingface_hub's retries would take ~23 s per call
     spec = (

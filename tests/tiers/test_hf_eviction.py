@@ -53,6 +53,8 @@ async def test_watermark_eviction_hands_victims_off(hub: FakeHub, make_tier) -> 
     assert (victim.length, victim.meta) == (OBJ, META)
     assert bytes(await asyncio.to_thread(victim.open)) == bytes([3]) * OBJ
     assert len(hub.files(BUCKET)) == 8  # held victims stay in the bucket until released
+    await asyncio.to_thread(tier._sync_listing)  # ... and a listing does not take them back
+    assert tier.usage().objects == 3 and tier.usage().counters["learned_from_bucket"] == 0
     for v in taken:
         await asyncio.to_thread(v.release)
         v.release()  # idempotent

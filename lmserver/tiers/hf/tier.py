@@ -192,6 +192,7 @@ class HFBucketTier(Tier):
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._pending_bytes = 0
         self._writing: dict[str, int] = {}
+        self._doomed_names: dict[str, int] = {}
         self._healthy = True
         self._retry_at = 0.0
         self._consecutive = 0
@@ -308,7 +309,9 @@ class HFBucketTier(Tier):
     def _close_sync(self) -> None:
         self._stop.set()
         if self._refresher is not None:
-            self._refresher.join()
+            # A listing in progress cannot be interrupted (huggingface_hub retries for ~23 s
+            # when the Hub is away): do not let it hold the shutdown; it is a daemon thread.
+            self._refresher.join(timeout=2.0)
         if self._batcher is not None:
             self._batcher.close()  # commits what is queued
         self._workers.shutdown(wait=True)
@@ -446,6 +449,7 @@ class HFBucketTier(Tier):
         record = self._index.remove(name)
         if record is None:
             return False
+        self._doom(name)
         self._count("deletes")
         self._discard(name, record)
         return True
@@ -476,7 +480,7 @@ class HFBucketTier(Tier):
         deletes = [j for j in jobs if isinstance(j, _Delete) and self._still_doomed(j)]
         skipped = [j for j in jobs if isinstance(j, _Delete) and j not in deletes]
         for job in skipped:
-            self._index.forget(job.record.size)
+            self._forget(job.name, job.record)
         if not adds and not deletes:
             return
         error: HubError | None = None
@@ -513,7 +517,7 @@ class HFBucketTier(Tier):
         for delete in deletes:
             if found is None or delete.path in found:
                 self._count("delete_failures")
-            self._index.forget(delete.record.size)
+            self._forget(delete.name, delete.record)
         if rejected:
             self._warn("hf tier: the Hub rejected part of a batch", rejected=len(rejected))
         self._watermark()  # before the writers hear back, so they see usage settled
@@ -574,6 +578,7 @@ class HFBucketTier(Tier):
         bytes are held until then (``doomed``: ``LRUIndex.remove`` booked them already)."""
         for name, record in victims:
             self._count("evictions")
+            self._doom(name)
             if not doomed:
                 self._index.hold(record.size)
             header = record.header
@@ -591,12 +596,28 @@ class HFBucketTier(Tier):
             record.discard = False
         batcher = self._batcher
         if batcher is None or self._closed:
-            self._index.forget(record.size)
+            self._forget(name, record)
             return
         try:
             batcher.submit(_Delete(name, self.handle.path_of(name), record))
         except RuntimeError:
-            self._index.forget(record.size)
+            self._forget(name, record)
+
+    def _doom(self, name: str) -> None:
+        """``name`` left the index but its object is still in the bucket (held for
+        demotion, or its delete not yet committed): a listing must not take it back."""
+        with self._mu:
+            self._doomed_names[name] = self._doomed_names.get(name, 0) + 1
+
+    def _forget(self, name: str, record: _Obj) -> None:
+        """The doomed object is gone from the bucket (or was never going to be deleted)."""
+        self._index.forget(record.size)
+        with self._mu:
+            left = self._doomed_names.get(name, 0) - 1
+            if left > 0:
+                self._doomed_names[name] = left
+            else:
+                self._doomed_names.pop(name, None)
 
     def _reader_done(self, name: str, record: _Obj) -> None:
         with self._index.lock:
@@ -661,6 +682,7 @@ class HFBucketTier(Tier):
         self._warn(f"hf tier: {reason} object dropped", name=name)
         if reason == "corrupt":
             if self._index.remove(name, record) is not None:
+                self._doom(name)
                 self._discard(name, record)
         else:
             self._index.remove(name, record, doom=False)
@@ -697,8 +719,8 @@ class HFBucketTier(Tier):
                 log.info("hf tier: listing bucket", bucket=str(self.handle), objects=len(seen))
         index = self._index
         learned = removed = 0
-        with self._mu:
-            writing = set(self._writing)
+        with self._mu:  # names being written or deleted are this server's to settle
+            writing = set(self._writing) | set(self._doomed_names)
         for name, info in sorted(seen.items(), key=lambda item: item[1].mtime):  # oldest first = LRU
             record = index.get(name)
             if name in writing:
