@@ -174,3 +174,14 @@ async def test_startup_listing_pages_through_a_large_bucket(hub: FakeHub, make_t
     tree_pages = sum(1 for name, _ in hub.requests if name == "tree")
     assert tree_pages == 3
     await eventually(lambda: len(hub.files(BUCKET)) == 1802, "evicted objects deleted")
+
+
+def test_a_missing_extra_is_a_config_error_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "hf_xet" else real(name, *a)
+    )
+    with pytest.raises(ConfigError, match=r"lmserver\[hf\]"):
+        registry.build(TierSpec.parse(HANDLE))

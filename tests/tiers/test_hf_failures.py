@@ -234,3 +234,13 @@ async def test_a_hub_that_never_answers_times_out(hub: FakeHub, make_tier) -> No
     await eventually(lambda: tier.healthy, "recovery")
     await asyncio.to_thread(tier._sync_listing)  # ... until the next listing finds it
     assert tier.contains("k") and tier.usage().bytes == bucket_bytes(hub)
+
+
+async def test_a_hub_unreachable_at_start_is_retried(hub: FakeHub, make_tier) -> None:
+    hub.stop()
+    tier = await make_tier("hf://buckets/lmtest/later/p", create=True)  # starts, unhealthy
+    assert not tier.healthy and tier.usage().objects == 0
+    hub.start()
+    await eventually(lambda: tier.healthy and tier._listed, "the bucket created and listed")
+    assert "lmtest/later" in hub.buckets
+    assert await tier.put("k", memoryview(b"v"), META)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import importlib.util
 import os
 import shutil
 import threading
@@ -211,6 +212,9 @@ class HFBucketTier(Tier):
     @classmethod
     def from_spec(cls, spec: TierSpec) -> HFBucketTier:
         handle = parse_handle("hf:" + spec.target)
+        for module in ("huggingface_hub", "hf_xet"):
+            if importlib.util.find_spec(module) is None:
+                raise ConfigError(f"tier {spec}: needs {module}; install it with: pip install 'lmserver[hf]'")
         token_env = spec.string("token_env", "HF_TOKEN")
         token_option = spec.string("token", "")  # read either way: it is a known option
         token = os.environ.get(token_env) or token_option or None
@@ -768,7 +772,10 @@ class HFBucketTier(Tier):
                     if time.monotonic() < self._retry_at:
                         continue
                     assert self._client is not None
-                    self._client.probe()
+                    if self._listed:
+                        self._client.probe()
+                    else:  # unreachable at start: the bucket may still need creating
+                        self._client.ensure_bucket(create=self.opts.create, private=self.opts.private)
                     self._succeeded()
                 now = time.monotonic()
                 if not self._listed or (self.opts.refresh_s and now >= next_listing):
