@@ -118,10 +118,10 @@ async def test_from_spec_reads_every_option(hub: FakeHub, monkeypatch: pytest.Mo
         f"{HANDLE}?token_env=MY_TOKEN&token=hf_ignored&create=true&capacity=1GiB&trigger=0.9&ratio=0.3"
         f"&refresh=5&workers=2&batch=16&batch_bytes=64MiB&window=0.02&max_pending=512MiB"
         f"&cache_dir={tmp_path}/c&read=file&timeout=30&private=false&endpoint={hub.endpoint}&mode=demote"
-        "&learn_keys=false"
+        "&learn_keys=false&name=hf-shared"
     )
     tier, chain = registry.build(spec)
-    assert isinstance(tier, HFBucketTier) and chain.mode == "demote"
+    assert isinstance(tier, HFBucketTier) and chain.mode == "demote" and tier.name == "hf-shared"
     assert tier.handle.bucket_id == BUCKET and tier.handle.prefix == "cache"
     assert tier._token == "hf_from_env" and tier._endpoint == hub.endpoint
     o = tier.opts

@@ -179,7 +179,9 @@ class HFBucketTier(Tier):
         endpoint: str | None = None,
         options: Options = Options(),
         client_factory: Callable[..., HubClient] | None = None,
+        name: str = "hf",
     ) -> None:
+        self.name = name
         self.handle = parse_handle(handle) if isinstance(handle, str) else handle
         self.opts = options
         if options.trigger - options.ratio < 0:
@@ -237,7 +239,8 @@ class HFBucketTier(Tier):
             timeout_s=spec.seconds("timeout", 60.0, minimum=1.0),
             learn_keys=spec.flag("learn_keys", True),
         )
-        return cls(handle, token=token, endpoint=endpoint, options=options)
+        name = spec.string("name", "hf")
+        return cls(handle, token=token, endpoint=endpoint, options=options, name=name)
 
     # -- lifecycle -------------------------------------------------------------------------
 
