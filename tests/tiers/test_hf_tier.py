@@ -153,3 +153,17 @@ async def test_metadata_the_format_cannot_hold_is_declined(hub: FakeHub, make_ti
     assert usage.counters["declined_invalid"] == 2
     assert (usage.objects, usage.bytes, usage.counters["pending_bytes"]) == (0, 0, 0)
     assert tier._index.reserved == 0 and hub.files(BUCKET) == {}
+
+
+async def test_another_instances_overwrite_is_seen_after_a_refresh(hub: FakeHub, make_tier) -> None:
+    writer = await make_tier()
+    reader = await make_tier()  # refresh only when told, to see both sides of it
+    assert await writer.put("k", memoryview(b"1" * 100), META)
+    await asyncio.to_thread(reader._sync_listing)
+    assert await read(reader, "k") == b"1" * 100
+    assert await writer.put("k", memoryview(b"2" * 300), META)
+    # Before the refresh: the version this reader indexed (whole and verified), never a mix.
+    assert await read(reader, "k") == b"1" * 100
+    await asyncio.to_thread(reader._sync_listing)
+    assert await read(reader, "k") == b"2" * 300
+    assert reader.usage().bytes == writer.usage().bytes == next(iter(hub.files(BUCKET).values())).size
