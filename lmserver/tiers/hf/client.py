@@ -51,7 +51,7 @@ CALLS: dict[str, tuple[str, ...]] = {
     "download_bucket_files": ("bucket_id", "files", "raise_on_missing_files", "token"),
 }
 CAUGHT: tuple[str, ...] = ("HfHubHTTPError", "BucketNotFoundError", "BucketBatchError")
-STREAMING = hasattr(hf_xet.XetSession, "new_download_stream_group")
+STREAMING = hasattr(getattr(hf_xet, "XetSession", None), "new_download_stream_group")
 STREAM_PIECE = 1 << 20
 
 
