@@ -5,6 +5,7 @@ package (and a bad handle's error) needs no extra installed.
 """
 
 from .naming import Handle, parse_handle
-from .tier import HFBucketTier, HFVictim, Options
+from .options import Options
+from .tier import HFBucketTier, HFVictim
 
 __all__ = ["HFBucketTier", "HFVictim", "Handle", "Options", "parse_handle"]

@@ -19,7 +19,7 @@ import tempfile
 import threading
 import uuid
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any
 
 import hf_xet
 import huggingface_hub
@@ -32,13 +32,13 @@ from huggingface_hub.utils import (  # type: ignore[attr-defined]
 )
 
 from .errors import BatchFailed, HubError, Kind
+from .options import ReadMode
 
 try:  # huggingface_hub >= 1.33 raises it for rejected batch operations
     from huggingface_hub.errors import BucketBatchError
 except ImportError:  # pragma: no cover - older versions ignore a partial failure silently
     BucketBatchError = None  # type: ignore[assignment,misc]
 
-ReadMode = Literal["auto", "stream", "file"]
 
 CALLS: dict[str, tuple[str, ...]] = {
     # HfApi method: keywords this module passes (bucket_id and token on every one)

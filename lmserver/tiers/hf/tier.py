@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import importlib.util
 import os
 import shutil
 import threading
@@ -57,10 +56,11 @@ from ..threaded import TierClosed, Workers
 from .batcher import Batcher
 from .errors import HubError
 from .naming import Handle, encode_header, object_name, parse_handle
+from .options import Options, config_from_spec
 
 if TYPE_CHECKING:
     from ..spec import TierSpec
-    from .client import FileInfo, HubClient, ReadMode
+    from .client import FileInfo, HubClient
 
 log = structlog.get_logger(__name__)
 
@@ -135,38 +135,6 @@ class _Delete:
 _Job = _Add | _Delete
 
 
-@dataclass(frozen=True)
-class Options:
-    capacity: int = 0
-    trigger: float = 0.8
-    ratio: float = 0.2
-    refresh_s: float = 30.0
-    workers: int = 4
-    batch_ops: int = 64
-    batch_bytes: int = 256 << 20
-    window_s: float = 0.05
-    max_pending: int = 1 << 30
-    create: bool = False
-    private: bool = True
-    cache_dir: str | None = None
-    read_mode: ReadMode = "auto"
-    timeout_s: float = 60.0
-    learn_keys: bool = True
-
-
-def _fraction(spec: TierSpec, name: str, default: float) -> float:
-    value = spec.string(name, "")
-    if not value:
-        return default
-    try:
-        number = float(value)
-    except ValueError:
-        raise ConfigError(f"tier {spec}: option {name}={value!r}: expected a number in (0, 1]") from None
-    if not 0 < number <= 1:
-        raise ConfigError(f"tier {spec}: option {name}={value!r}: expected a number in (0, 1]")
-    return number
-
-
 class HFBucketTier(Tier):
     name = "hf"
     default_mode = "demote"
@@ -177,13 +145,13 @@ class HFBucketTier(Tier):
         *,
         token: str | None = None,
         endpoint: str | None = None,
-        options: Options = Options(),
+        options: Options | None = None,
         client_factory: Callable[..., HubClient] | None = None,
         name: str = "hf",
     ) -> None:
         self.name = name
         self.handle = parse_handle(handle) if isinstance(handle, str) else handle
-        self.opts = options
+        self.opts = options = options or Options()
         if options.trigger - options.ratio < 0:
             raise ConfigError("hf tier: ratio must not exceed trigger")
         self._token = token
@@ -213,34 +181,8 @@ class HFBucketTier(Tier):
 
     @classmethod
     def from_spec(cls, spec: TierSpec) -> HFBucketTier:
-        handle = parse_handle("hf:" + spec.target)
-        for module in ("huggingface_hub", "hf_xet"):
-            if importlib.util.find_spec(module) is None:
-                raise ConfigError(f"tier {spec}: needs {module}; install it with: pip install 'lmserver[hf]'")
-        token_env = spec.string("token_env", "HF_TOKEN")
-        token_option = spec.string("token", "")  # read either way: it is a known option
-        token = os.environ.get(token_env) or token_option or None
-        endpoint = spec.string("endpoint", "") or os.environ.get("HF_ENDPOINT") or None
-        read_mode: ReadMode = spec.choice("read", ("auto", "stream", "file"), "auto")
-        options = Options(
-            capacity=spec.size("capacity", 0),
-            trigger=_fraction(spec, "trigger", 0.8),
-            ratio=_fraction(spec, "ratio", 0.2),
-            refresh_s=spec.seconds("refresh", 30.0),
-            workers=spec.integer("workers", 4, minimum=1),
-            batch_ops=spec.integer("batch", 64, minimum=1),
-            batch_bytes=spec.size("batch_bytes", 256 << 20),
-            window_s=spec.seconds("window", 0.05),
-            max_pending=spec.size("max_pending", 1 << 30),
-            create=spec.flag("create", False),
-            private=spec.flag("private", True),
-            cache_dir=spec.string("cache_dir", "") or None,
-            read_mode=read_mode,
-            timeout_s=spec.seconds("timeout", 60.0, minimum=1.0),
-            learn_keys=spec.flag("learn_keys", True),
-        )
-        name = spec.string("name", "hf")
-        return cls(handle, token=token, endpoint=endpoint, options=options, name=name)
+        c = config_from_spec(spec)
+        return cls(c.handle, token=c.token, endpoint=c.endpoint, options=c.options, name=c.name)
 
     # -- lifecycle -------------------------------------------------------------------------
 
