@@ -118,7 +118,7 @@ async def test_from_spec_reads_every_option(hub: FakeHub, monkeypatch: pytest.Mo
         f"{HANDLE}?token_env=MY_TOKEN&token=hf_ignored&create=true&capacity=1GiB&trigger=0.9&ratio=0.3"
         f"&refresh=5&workers=2&batch=16&batch_bytes=64MiB&window=0.02&max_pending=512MiB"
         f"&cache_dir={tmp_path}/c&read=file&timeout=30&private=false&endpoint={hub.endpoint}&mode=demote"
-        "&learn_keys=false&name=hf-shared"
+        "&learn_keys=false&name=hf-shared&read_piece=4MiB"
     )
     tier, chain = registry.build(spec)
     assert isinstance(tier, HFBucketTier) and chain.mode == "demote" and tier.name == "hf-shared"
@@ -128,7 +128,7 @@ async def test_from_spec_reads_every_option(hub: FakeHub, monkeypatch: pytest.Mo
     assert (o.capacity, o.trigger, o.ratio, o.refresh_s, o.workers) == (1 << 30, 0.9, 0.3, 5.0, 2)
     assert (o.batch_ops, o.batch_bytes, o.window_s, o.max_pending) == (16, 64 << 20, 0.02, 512 << 20)
     assert (o.create, o.private, o.read_mode, o.timeout_s) == (True, False, "file", 30.0)
-    assert o.cache_dir == f"{tmp_path}/c" and not o.learn_keys
+    assert o.cache_dir == f"{tmp_path}/c" and not o.learn_keys and o.read_piece == 4 << 20
     monkeypatch.delenv("MY_TOKEN")
     tier2, _ = registry.build(TierSpec.parse(f"{HANDLE}?token_env=MY_TOKEN&token=hf_option"))
     assert tier2._token == "hf_option"

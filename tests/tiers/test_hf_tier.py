@@ -58,8 +58,9 @@ def test_bad_handles_are_config_errors(text: str) -> None:
         parse_handle(text)
 
 
-async def test_round_trips_from_empty_to_32_mib(hub: FakeHub, make_tier) -> None:
-    tier = await make_tier()
+@pytest.mark.parametrize("piece", [1 << 20, 3 << 20])
+async def test_round_trips_from_empty_to_32_mib(hub: FakeHub, make_tier, piece: int) -> None:
+    tier = await make_tier(read_piece=piece)
     sizes = [0, 1, 4095, 64 << 10, 1 << 20, 32 << 20]
     blobs = {f"key-{n}": os.urandom(n) for n in sizes}
     results = await asyncio.gather(*(tier.put(k, memoryview(v), META) for k, v in blobs.items()))

@@ -152,6 +152,7 @@ class HubClient:
         cache_dir: str,
         read_mode: ReadMode = "auto",
         timeout_s: float = 60.0,
+        read_piece: int = STREAM_PIECE,
     ) -> None:
         disable_progress_bars()  # a server's stderr is for logs, not progress bars
         bound_xet_retries(timeout_s)
@@ -163,6 +164,7 @@ class HubClient:
         self.streaming = read_mode == "stream" or (read_mode == "auto" and STREAMING)
         if read_mode == "stream" and not STREAMING:
             raise HubError("error", "this hf_xet cannot stream downloads; use read=file")
+        self._piece = read_piece
         self._lock = threading.Lock()
         self._group: Any = None
         self._session: Any = None
@@ -265,8 +267,10 @@ class HubClient:
             # Range by range: hf_xet hands a range over as one bytes object, built while it
             # holds the GIL, so a whole 32 MiB object stalls the event loop for ~80 ms;
             # 1 MiB pieces keep each stall under ~10 ms and measured no slower here.
-            for first in range(0, len(buf), STREAM_PIECE):
-                piece = buf[first : first + STREAM_PIECE]
+            # Over a real network each piece is a round trip: ``read_piece`` trades them.
+            step = self._piece
+            for first in range(0, len(buf), step):
+                piece = buf[first : first + step]
                 stream = group.download_unordered_stream(file_info, start + first, start + first + len(piece))
                 for offset, chunk in stream:
                     n = len(chunk)

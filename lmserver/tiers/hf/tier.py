@@ -205,6 +205,7 @@ class HFBucketTier(Tier):
             cache_dir=self._cache_dir,
             read_mode=self.opts.read_mode,
             timeout_s=self.opts.timeout_s,
+            read_piece=self.opts.read_piece,
         )
 
     async def open(self) -> None:
