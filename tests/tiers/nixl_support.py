@@ -57,7 +57,8 @@ def s3() -> Iterator[S3Server]:
 
 
 def obj_spec(s3: S3Server, bucket: str, prefix: str = "kv", **options: Any) -> str:
-    opts = {"endpoint": s3.endpoint, "access_key": "test", "secret_key": "test", "timeout": "10"}
+    # A generous timeout: this shared machine is slow, and timeouts have their own test.
+    opts = {"endpoint": s3.endpoint, "access_key": "test", "secret_key": "test", "timeout": "60"}
     opts.update({k: str(v) for k, v in options.items()})
     query = "&".join(f"{k}={v}" for k, v in opts.items())
     return f"nixl:s3://{bucket}/{prefix}?{query}"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,22 @@ MiB = 1024 * KiB
 
 def object_file(root: Path, key: str) -> Path:
     return root / "objects" / _diskfile.object_relpath(_diskfile.object_name(key.encode()))
+
+
+def truncate(path: Path, size: int) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(size)
+
+
+def flip_slot_body(pool: Path, slot_size: int, key: str) -> None:
+    """Flip one body byte of the slot holding ``key``."""
+    raw = bytearray(pool.read_bytes())
+    for off in range(0, len(raw), slot_size):
+        if raw[off : off + 8] == _diskfile.MAGIC:
+            header = _diskfile.decode_header(raw[off : off + _diskfile.MAX_HEADER])
+            if header.key == key:
+                raw[off + header.header_len + 5] ^= 1
+    pool.write_bytes(raw)
 
 
 @pytest.mark.parametrize("direct", [False, True])
@@ -69,7 +84,7 @@ async def test_static_pool_lru_and_slot_reuse(tmp_path: Path) -> None:
         u = tier.usage()
         assert u.counters["evictions"] == 1 and u.objects == 3 and u.bytes == 3 * 64 * KiB
         assert u.capacity == 3 * 64 * KiB
-        assert os.path.getsize(tmp_path / "slots.pool") == 3 * 64 * KiB  # the pool never grows
+        assert (tmp_path / "slots.pool").stat().st_size == 3 * 64 * KiB  # the pool never grows
         # A slot holds header + body: an object larger than a slot is declined, counted.
         assert not await tier.put("big", memoryview(bytearray(64 * KiB)), META)
         assert tier.usage().counters["declined_too_large"] == 1
@@ -107,8 +122,7 @@ async def test_corrupt_and_truncated_objects_are_counted_misses(tmp_path: Path) 
         raw = bytearray(path.read_bytes())
         raw[-100] ^= 0xFF
         path.write_bytes(raw)
-        with open(object_file(tmp_path, "cut"), "r+b") as f:
-            f.truncate(1000)
+        truncate(object_file(tmp_path, "cut"), 1000)
         object_file(tmp_path, "gone").unlink()
         for key in ("flip", "cut", "gone"):
             assert await fetch(tier, key) is None
@@ -124,15 +138,7 @@ async def test_corrupt_slot_is_a_counted_miss_and_not_revived(tmp_path: Path) ->
     async with opened(spec) as tier:
         for i in range(3):
             assert await tier.put(f"k{i}", memoryview(payload(10 * KiB, i)), META)
-        with open(tmp_path / "slots.pool", "r+b") as f:
-            raw = bytearray(f.read())
-            for slot in range(4):  # flip a body byte of the slot holding k1
-                off = slot * 16 * KiB
-                if _diskfile.MAGIC == raw[off : off + 8]:
-                    header = _diskfile.decode_header(raw[off : off + _diskfile.MAX_HEADER])
-                    if header.key == "k1":
-                        f.seek(off + header.header_len + 5)
-                        f.write(bytes([raw[off + header.header_len + 5] ^ 1]))
+        flip_slot_body(tmp_path / "slots.pool", 16 * KiB, "k1")
         assert await fetch(tier, "k1") is None
         assert tier.usage().counters["corrupt"] == 1 and not tier.contains("k1")
     async with opened(spec) as tier:

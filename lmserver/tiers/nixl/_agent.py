@@ -87,6 +87,7 @@ class Agent:
         except Exception as exc:  # nixl raises its own error classes for every failure
             raise ConfigError(f"NIXL backend {backend} could not be created: {exc}") from None
         self.backend = backend
+        self.cancelled = False  # a transfer was cancelled at its deadline
         self.storage_mem = "OBJ" if backend == "OBJ" else "FILE"
 
     # -- registrations (each call is one registration; keep the handle to deregister) ------
@@ -128,6 +129,7 @@ class Agent:
             pause = 0.0001
             while state == "PROC":
                 if time.monotonic() >= deadline:
+                    self.cancelled = True
                     raise TransferTimeout(f"{op} did not finish in time; cancelled")
                 # POSIX buffered I/O completes inside transfer(); OBJ and O_DIRECT run in
                 # the background: back off so polling does not burn a shared CPU.
@@ -142,7 +144,14 @@ class Agent:
                 agent.release_xfer_handle(handle)
 
     def close(self) -> None:
-        self._agent = None
+        agent, self._agent = self._agent, None
+        if self.cancelled:
+            # Destroying an agent whose backend still holds a request that a timeout
+            # cancelled waits for that request to die, holding the GIL (measured: 135 s
+            # against an endpoint that never answers, the whole process frozen). Leak it
+            # instead, past interpreter exit too (the OS reclaims it with the process),
+            # with its lane's staging buffer, which the request may still be using.
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(agent))
 
     @staticmethod
     def _call(fn: Any, *args: Any) -> Any:

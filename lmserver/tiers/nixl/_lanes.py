@@ -134,9 +134,17 @@ class Lane:
             with self._lock:
                 self._pending -= 1
 
-    def close(self) -> None:
-        """Finish queued work, then deregister (blocking)."""
+    def stop(self) -> None:
+        """Finish queued work, start nothing new (blocking)."""
         self._workers.shutdown(wait=True)
+
+    def close(self) -> None:
+        """After ``stop``: deregister and destroy the agent (blocking)."""
+        if self.agent.cancelled:
+            # A cancelled request may still read or write the staging buffer: leave it
+            # mapped and registered, with the agent (see Agent.close).
+            self.agent.close()
+            return
         with contextlib.suppress(TierError):
             self.agent.deregister(self._reg)
         self.agent.close()

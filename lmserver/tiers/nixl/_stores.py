@@ -28,6 +28,7 @@ from typing import Any
 
 from .. import _diskfile
 from ..base import ConfigError, TierError
+from ._agent import TransferTimeout
 from ._lanes import Lane
 from ._options import NixlOptions, io_length_for
 
@@ -43,6 +44,10 @@ class Missing(TierError):
     """The object or slot is not in the backend."""
 
 
+class Unreachable(TierError):
+    """The backend did not answer at open; the tier starts empty and unhealthy."""
+
+
 class Corrupt(TierError):
     """The stored bytes are not a whole object (truncated, torn, overwritten)."""
 
@@ -51,6 +56,10 @@ class Store:
     """Interface both stores implement; every method blocks (call from a thread)."""
 
     def open(self) -> None: ...
+
+    def reopen(self) -> bool:
+        """After an Unreachable open: True once the backend answers."""
+        return True
 
     def attach(self, lane: Lane) -> None:
         """Per-agent setup (registrations that last as long as the lane)."""
@@ -292,8 +301,17 @@ class ObjStore(Store):
         self._s3 = boto3.session.Session().client("s3", **kwargs)
         try:
             self._s3.head_bucket(Bucket=opts.bucket)
+        except self._s3.exceptions.ClientError as exc:  # the endpoint answered: no such bucket, denied
+            raise ConfigError(f"nixl tier: bucket {opts.bucket!r}: {exc}") from None
+        except Exception as exc:  # no answer: start, unhealthy, and retry loading later
+            raise Unreachable(f"S3 endpoint not reachable: {exc}") from None
+
+    def reopen(self) -> bool:
+        try:
+            self._s3.head_bucket(Bucket=self.opts.bucket)
         except Exception as exc:
-            raise ConfigError(f"nixl tier: bucket {opts.bucket!r} is not reachable: {exc}") from None
+            raise Unreachable(f"S3 endpoint not reachable: {exc}") from None
+        return True
 
     def write(self, lane: Lane, loc: Location, nbytes: int, deadline: float) -> None:
         self._transfer(lane, "WRITE", loc, nbytes, deadline)
@@ -301,7 +319,15 @@ class ObjStore(Store):
     def read(self, lane: Lane, loc: Location, nbytes: int, deadline: float) -> None:
         # A READ past the end of an object succeeds and leaves the tail stale: the header
         # and body checks after it catch a shorter (truncated or replaced) object.
-        self._transfer(lane, "READ", loc, nbytes, deadline)
+        try:
+            self._transfer(lane, "READ", loc, nbytes, deadline)
+        except TransferTimeout:
+            raise
+        except TierError:
+            # NIXL reports a missing key as a plain backend error: ask S3 which it was.
+            if self.probe(loc) is None:
+                raise Missing(str(loc)) from None
+            raise
 
     def _transfer(self, lane: Lane, op: str, loc: Location, n: int, deadline: float) -> None:
         dev = lane.next_dev()

@@ -50,8 +50,8 @@ from ..spec import TierSpec
 from ..threaded import TierClosed, Workers
 from ._agent import Agent, TransferTimeout, check_gds, load_api
 from ._lanes import Guard, Lane, LaneBusy, OpTimeout, run_bounded
-from ._options import NixlOptions, io_length_for, parse
-from ._stores import Corrupt, Location, Missing, Store, make_store
+from ._options import DEFAULT_REFRESH_S, NixlOptions, io_length_for, parse
+from ._stores import Corrupt, Location, Missing, Store, Unreachable, make_store
 
 log = structlog.get_logger(__name__)
 
@@ -158,6 +158,7 @@ class NixlTier(Tier):
         self._healthy = True
         self._warnings = ThrottledWarnings(log, _WARN_INTERVAL_S)
         self._refresher: asyncio.Task[None] | None = None
+        self._pending_load = False
         self._closed = False
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -172,20 +173,34 @@ class NixlTier(Tier):
             self._closed = True
             await asyncio.to_thread(self._close_sync)
             raise
-        if self.opts.shared and self.opts.refresh > 0:
+        if (self.opts.shared and self.opts.refresh > 0) or self._pending_load:
             self._refresher = asyncio.get_running_loop().create_task(self._refresh_loop())
 
     def _open_sync(self) -> None:
         started = time.monotonic()
         opts = self.opts
-        self._store.open()
+        try:
+            self._store.open()
+            reachable = True
+        except Unreachable as exc:
+            reachable = False
+            self._failed("errors", "nixl tier: backend unreachable at open; starting empty", error=str(exc))
         params = self._backend_params()
         for i in range(opts.lanes):
             agent = Agent(self._api, f"lmserver-{self.name}-{i}-{id(self):x}", opts.backend, params)
             lane = Lane(i, agent, opts.staging_bytes, self.name)
             self._lanes.append(lane)
             self._store.attach(lane)
-        found = self._load()
+        found = 0
+        if reachable:
+            try:
+                found = self._load()
+            except (TierError, OSError) as exc:
+                reachable = False
+                self._failed("errors", "nixl tier: listing failed at open; starting empty", error=str(exc))
+        # A dynamic layout loads what the backend holds once it answers (a static pool
+        # cannot: its free slots are being reused meanwhile).
+        self._pending_load = not reachable and opts.layout == "dynamic"
         log.info(
             "nixl tier opened",
             where=opts.where(),
@@ -214,8 +229,8 @@ class NixlTier(Tier):
             if opts.access_key:
                 params["access_key"] = opts.access_key
                 params["secret_key"] = opts.secret_key
-            # Multipart above 5 MiB: a 32 MiB PUT in one part was 15x slower against a
-            # local S3 server.
+            # Objects above 5 MiB go through the AWS CRT client: 15x faster for a 32 MiB
+            # PUT against a local S3 server than the default client.
             params["crtMinLimit"] = str(5 << 20)
         params.update(opts.params)
         return params
@@ -242,7 +257,8 @@ class NixlTier(Tier):
                 self._store.delete(loc)
         used: set[Location] = set()
         for key, rec in sorted(found.items(), key=lambda kv: kv[1].written_ns):
-            self._index.load(key, rec)
+            if key not in self._index:  # a retried load keeps what was written since open
+                self._index.load(key, rec)
             used.add(rec.loc)
         if self.opts.layout == "static":
             self._free_slots = [s for s in range(self.opts.slots - 1, -1, -1) if s not in used]
@@ -273,10 +289,11 @@ class NixlTier(Tier):
         await asyncio.to_thread(self._close_sync)
 
     def _close_sync(self) -> None:
-        for lane in self._lanes:
+        lanes, self._lanes = self._lanes, []
+        for lane in lanes:
+            lane.stop()
             self._store.detach(lane)
             lane.close()
-        self._lanes.clear()
         if self._meta is not None:
             self._meta.shutdown(wait=True)
         self._store.close()
@@ -379,7 +396,10 @@ class NixlTier(Tier):
             return False
 
     async def _bounded(self, guard: Guard, op: Callable[[Lane], _T]) -> _T:
-        lane = min(self._lanes, key=lambda ln: ln.pending)
+        lanes = self._lanes
+        if not lanes:
+            raise TierClosed("tier is closed")
+        lane = min(lanes, key=lambda ln: ln.pending)
         return await run_bounded(lane, guard, lambda: op(lane), self.opts.timeout)
 
     # -- lane-thread side -------------------------------------------------------------------
@@ -644,11 +664,25 @@ class NixlTier(Tier):
     async def _refresh_loop(self) -> None:
         assert self._meta is not None
         while True:
-            await asyncio.sleep(self.opts.refresh)
+            await asyncio.sleep(self.opts.refresh or DEFAULT_REFRESH_S)
             try:
-                await self._meta.run(self.refresh_sync)
+                if self._pending_load:
+                    await self._meta.run(self._retry_load)
+                elif self.opts.shared and self.opts.refresh > 0:
+                    await self._meta.run(self.refresh_sync)
+                else:
+                    return
             except TierClosed:
                 return
+
+    def _retry_load(self) -> None:
+        try:
+            if self._store.reopen():
+                found = self._load()
+                self._pending_load = False
+                log.info("nixl tier: backend reachable again; index loaded", objects=found)
+        except (TierError, OSError) as exc:
+            self._failed("errors", "nixl tier: backend still unreachable", error=str(exc))
 
     def refresh_sync(self) -> None:
         """Match the index with a listing of the backend (shared mode; blocking)."""
