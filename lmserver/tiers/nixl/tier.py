@@ -546,6 +546,8 @@ class NixlTier(Tier):
             self._counters["evictions"] += len(victims)
         static = self.opts.layout == "static"
         for key, rec in victims:
+            # Out of the index but still in the backend until released (``_free`` forgets).
+            self._index.hold(rec.size)
             if not static:
                 self.hand_off(_NixlVictim(self, key, rec))
             elif self.on_evict is None:
