@@ -21,6 +21,7 @@ from lmproto import REPLY_SIZE, Command, Generation, Status, decode_json, decode
 
 from . import __version__
 from .config import DEFAULT_DISK_LIMIT, DEFAULT_MAX_OBJECT_SIZE, DEFAULT_PORT, ServerConfig
+from .configfile import use_config_file
 from .sizes import format_size, parse_size
 
 
@@ -161,6 +162,40 @@ def main() -> None:
     help="Connections served at once; more are closed on accept.",
 )
 @click.option(
+    "--max-connections-per-address",
+    type=click.IntRange(1),
+    default=1024,
+    envvar=_env("MAX_CONNECTIONS_PER_ADDRESS"),
+    show_envvar=True,
+    help="Connections served at once from one client address; more are closed on accept.",
+)
+@click.option(
+    "--idle-timeout",
+    type=click.FloatRange(0),
+    default=60.0,
+    envvar=_env("IDLE_TIMEOUT"),
+    show_envvar=True,
+    help="Seconds after which an idle connection is closed, while more than 3/4 of "
+    "--max-connections are open (0: never).",
+)
+@click.option(
+    "--header-timeout",
+    type=click.FloatRange(0),
+    default=10.0,
+    envvar=_env("HEADER_TIMEOUT"),
+    show_envvar=True,
+    help="Seconds a request header may take from its first byte to its last (0: no limit).",
+)
+@click.option(
+    "--body-timeout",
+    type=click.FloatRange(0),
+    default=30.0,
+    envvar=_env("BODY_TIMEOUT"),
+    show_envvar=True,
+    help="Seconds a request body, or replies the client does not read, may make no progress "
+    "before the connection is closed (0: no limit).",
+)
+@click.option(
     "--protocol",
     type=click.Choice(["auto", "v0", "v1"]),
     default="auto",
@@ -206,6 +241,83 @@ def main() -> None:
     envvar=_env("LOG_FORMAT"),
     show_envvar=True,
     help="auto: human-readable on a terminal, JSON lines otherwise.",
+)
+# -- operations: access control, TLS, metrics, config file (README "Metrics", "Access control
+# and TLS", "Configuration file") ------------------------------------------------------------
+@click.option(
+    "--allow",
+    multiple=True,
+    metavar="CIDR",
+    envvar=_env("ALLOW"),
+    show_envvar=True,
+    help="Only peers in this network (10.0.0.0/8) or with this address may connect; repeatable "
+    "(the variable takes a space- or comma-separated list). Others are closed at accept. "
+    "[default: everyone who can reach --host]",
+)
+@click.option(
+    "--plain/--no-plain",
+    default=True,
+    envvar=_env("PLAIN"),
+    show_envvar=True,
+    help="Serve plain TCP on --port; --no-plain serves only the TLS listener.",
+)
+@click.option(
+    "--tls-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    envvar=_env("TLS_PORT"),
+    show_envvar=True,
+    help="Also serve TLS (lmclient's lms://) on this port, on --host. Needs --tls-cert.",
+)
+@click.option(
+    "--tls-cert",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    envvar=_env("TLS_CERT"),
+    show_envvar=True,
+    help="PEM certificate chain of the TLS listener (may hold the key too).",
+)
+@click.option(
+    "--tls-key",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    envvar=_env("TLS_KEY"),
+    show_envvar=True,
+    help="PEM private key of --tls-cert.",
+)
+@click.option(
+    "--tls-client-ca",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    envvar=_env("TLS_CLIENT_CA"),
+    show_envvar=True,
+    help="Require TLS clients to present a certificate signed by this CA (PEM).",
+)
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    envvar=_env("METRICS_PORT"),
+    show_envvar=True,
+    help="Serve Prometheus metrics over HTTP at /metrics on this port. [default: off]",
+)
+@click.option(
+    "--metrics-host",
+    default=None,
+    envvar=_env("METRICS_HOST"),
+    show_envvar=True,
+    help="Address the metrics endpoint binds. [default: --host]",
+)
+@click.option(
+    "--config",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    envvar=_env("CONFIG"),
+    show_envvar=True,
+    is_eager=True,
+    expose_value=False,
+    callback=use_config_file,
+    help="TOML file of serve options (keys: option names); the command line and LMSERVER_* "
+    "variables override it.",
 )
 def serve(positional: tuple[str, ...], **options: Any) -> None:
     """Serve the lm:// protocol (both frame generations) until SIGTERM or SIGINT."""

@@ -20,15 +20,35 @@ Strategy:
   transport's buffer has drained: the write-buffer limits are (0, 0), so the loop reports
   every partial write with ``pause_writing`` and the full drain with ``resume_writing``.
   That is also the backpressure: while anything is unsent, the connection reads nothing.
+  That reasoning needs a transport that keeps what it could not send *by reference*, as
+  uvloop's does. The standard library's copies it into a bytearray: 100 clients sending a
+  GET for a 32 MiB object and never reading grew RSS by 1.7 GiB. So on a copying transport
+  a reply over ``WRITE_PIECE`` bytes is handed over a piece at a time, the next piece only
+  when the last has gone (``_pump``): at most one piece per connection is ever copied.
+* A PUT's memory is charged as its body arrives, not when its header announces it: a fresh
+  buffer (an untouched anonymous mmap, see pool.py) is charged for what is already staged
+  plus one staging size, and ``get_buffer`` lets the socket fill only the charged part.
+  Each time it is full the charge doubles (evicting LRU objects as needed, or waiting up to
+  ``--memory-wait`` for pinned memory, then refusing the rest of the body). A header that
+  announces 1 GiB and sends nothing holds 64 KiB, so it can neither flush the cache nor
+  block other PUTs; a body that stops for ``--body-timeout`` is cut off. A reused buffer is
+  already resident and counted, so it is charged in full at once (the fast path).
+* Staging buffers come from a shared free list; a connection that received nothing since
+  the last sweep gives its buffer back, so an idle connection holds none (a few KiB of
+  Python objects, not 64 KiB).
+* Timeouts are checked by a periodic sweep (``sweep``, run by the server), never per
+  request: the read path only counts bytes received and requests parsed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import fcntl
+import mmap
 import socket
 import sys
 import termios
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -61,12 +81,20 @@ from .logs import ThrottledWarnings
 from .memory import Entry
 from .state import ServerState
 from .stats import server_stats
+from .tls import write_buffer_high_water
 
 log = structlog.get_logger("lmserver.connection")
 throttled = ThrottledWarnings(log)
 
 STAGING_SIZE = 64 * 1024
 """Header staging buffer: holds ~400 pipelined requests; at most this much of a body is copied."""
+
+STAGING_KEPT = 64
+"""Idle staging buffers kept on the shared free list (4 MiB); more are freed."""
+
+WRITE_PIECE = 128 * 1024
+"""On a transport that copies unsent bytes (the standard library's), the most handed to it
+at once: what a connection whose peer does not read can make the server copy."""
 
 FLUSH_THRESHOLD = 4 * 1024 * 1024
 """Reply bytes queued in one callback before they are written without waiting for its end."""
@@ -78,6 +106,9 @@ MAX_ACKS_IN_FLIGHT = 1024
 """PUT_ACKs of one connection that may wait for the disk at once before it stops reading."""
 
 _EMPTY = memoryview(b"")
+_LIST_BATCH = 1024  # keys encoded at once into a LIST reply
+_NO_STAGING = bytearray()  # what a connection holds while it has no staging buffer
+_free_staging: list[mmap.mmap] = []  # shared by every connection (list ops are atomic)
 _SUCCESS, _FAIL = int(Status.SUCCESS), int(Status.FAIL)  # plain ints: cheaper dict keys on the hot path
 
 
@@ -94,10 +125,11 @@ def _unread_input(transport: asyncio.BaseTransport) -> bool:
 class _Held:
     """Replies that must wait for an earlier PUT_ACK whose write is still in flight."""
 
-    __slots__ = ("buffers", "pins", "ready")
+    __slots__ = ("buffers", "pins", "ready", "started")
 
-    def __init__(self, ready: bool) -> None:
+    def __init__(self, ready: bool, started: float = 0.0) -> None:
         self.ready = ready
+        self.started = started  # when the PUT_ACK's header arrived (latency metrics)
         self.buffers: list[bytes | memoryview] = []
         self.pins: list[Entry] = []
 
@@ -127,14 +159,17 @@ class LMProtocol(asyncio.BufferedProtocol):
         )
         # Bodiless replies of this connection's generation, encoded once.
         self._canned = _CANNED[self.generation] if self.generation is not None else {}
-        self.staging = bytearray(STAGING_SIZE)
-        self.staging_view = memoryview(self.staging)
+        self.staging: bytearray | mmap.mmap = _NO_STAGING  # taken from the free list when needed
+        self.staging_view = _EMPTY
         self.start = 0  # staged bytes not yet parsed are staging[start:end]
         self.end = 0
         self.replies: list[bytes | memoryview] = []
         self.reply_bytes = 0
         self.reply_pins: list[Entry] = []  # entries referenced by queued replies
         self.unsent_pins: list[Entry] = []  # entries referenced by bytes the transport holds
+        # Replies not yet handed to a transport that copies what it cannot send (see _pump).
+        self.outbox: deque[bytes | memoryview] = deque()
+        self.copying_transport = False
         # PUT_ACKs waiting for the disk do not stop the pipeline: their replies, and every
         # reply after them, are held here in order until the acknowledgement is known.
         self.held: deque[_Held] = deque()
@@ -143,10 +178,26 @@ class LMProtocol(asyncio.BufferedProtocol):
         self.busy = False  # an awaited operation is in flight; parsing waits for it
         self.closing = False  # finish the current request, then close
         self.closed = False
+        self.address: str | None = None  # counted against max_connections_per_address
+        # Progress, for the timeout sweep: counted on the read path, compared by ``sweep``.
+        self.received = 0
+        self.parsed = 0
+        self._seen_received = -1
+        self._quiet_since = 0.0
+        self._header_since: float | None = None
+        self._seen_parsed = 0
+        self._seen_unsent = -1
+        self._send_since = 0.0
+        # Requests by command number (plus EXIST hits in slot 0), plain ints for metrics:
+        # cheaper on the hot path than string-keyed counters; folded into the state on close.
+        self.by_command = [0] * COMMAND_SLOTS
+        self.timed_since = 0.0  # when the request now waited on began (latency metrics)
 
         # Per-request state: where the current body goes and what happens when it is in
         self.body: memoryview | None = None
         self.body_pos = 0
+        self.body_limit = 0  # the socket may fill body[body_pos:body_limit] (charged memory)
+        self.body_request: Request | None = None  # the PUT being received, if any
         self.body_done: Callable[[], None] | None = None
         self.body_entry: Entry | None = None  # a PUT's reservation, aborted if cut short
         self.discard_left = 0
@@ -167,21 +218,46 @@ class LMProtocol(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
         self.peer = transport.get_extra_info("peername")
-        if self.state.shutting_down or len(self.state.connections) >= self.config.max_connections:
+        if not self.state.access.allows(self.peer):
+            self.counters["connections_refused"] += 1
+            self.counters["connections_refused_not_allowed"] += 1
+            throttled.warning("connection from an address not allowed", peer=self.peer)
+            self.closed = True
+            self.transport.abort()  # type: ignore[union-attr]  # before any read
+            return
+        address = self.peer[0] if isinstance(self.peer, tuple) and self.peer else None
+        per_address = self.state.connections_per_address
+        if self.state.shutting_down:
+            reason = "shutting down"
+        elif len(self.state.connections) >= self.config.max_connections:
+            reason = "max connections reached"
+        elif address is not None and per_address[address] >= self.config.max_connections_per_address:
+            reason = "max connections per address reached"
+            self.counters["connections_refused_per_address"] += 1
+        else:
+            reason = ""
+        if reason:
             self.counters["connections_refused"] += 1
             throttled.warning(
                 "connection refused",
                 peer=self.peer,
-                reason="shutting down" if self.state.shutting_down else "max connections reached",
+                reason=reason,
                 max_connections=self.config.max_connections,
+                max_connections_per_address=self.config.max_connections_per_address,
             )
             self.closed = True
             self.transport.abort()  # type: ignore[union-attr]
             return
+        if address is not None:
+            self.address = address
+            per_address[address] += 1
+        self._quiet_since = asyncio.get_running_loop().time()
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.transport.set_write_buffer_limits(high=0, low=0)  # type: ignore[union-attr]
+        high = write_buffer_high_water(transport)  # 0, or 1 on TLS: see tls.py
+        self.transport.set_write_buffer_limits(high=high, low=0)  # type: ignore[union-attr]
+        self.copying_transport = not type(transport).__module__.startswith("uvloop")
         self.state.connections.add(self)
         self.state.no_connections.clear()
         self.counters["connections_accepted"] += 1
@@ -189,9 +265,17 @@ class LMProtocol(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self.state.connections.discard(self)
+        if self in self.state.connections:
+            self.state.connections.discard(self)
+            self.state.fold_command_counts(self.by_command)
         if not self.state.connections:
             self.state.no_connections.set()
+        if self.address is not None:
+            per_address = self.state.connections_per_address
+            per_address[self.address] -= 1
+            if not per_address[self.address]:
+                del per_address[self.address]
+            self.address = None
         if self.body_entry is not None:
             # A body cut short (a PUT's, or a control body's): its reservation is given
             # back and, for a PUT, never published.
@@ -199,7 +283,9 @@ class LMProtocol(asyncio.BufferedProtocol):
             self.store.abort(self.body_entry)
             self.body_entry = None
         self._release_pins()
-        self.body = None
+        self.body = self.body_request = None
+        self.start = self.end = 0
+        self._give_staging()
         log.debug("connection closed", peer=self.peer, error=repr(exc) if exc else None)
 
     def eof_received(self) -> bool:
@@ -251,11 +337,61 @@ class LMProtocol(asyncio.BufferedProtocol):
         assert self.transport is not None
         self.transport.close()
 
+    # -- timeouts (checked by the periodic sweep) ------------------------------------------
+
+    def tick(self, now: float, close_idle: bool) -> None:
+        """One sweep: give back an unused staging buffer, and close the connection if it is
+        past a timeout (README "Limits and timeouts"). ``close_idle``: the server is short
+        of connections, so idle ones past ``--idle-timeout`` make room."""
+        if self.closed:
+            return
+        config = self.config
+        if self.received != self._seen_received:
+            self._seen_received, self._quiet_since = self.received, now
+        elif self.end == 0 and self.staging:
+            self._give_staging()  # nothing staged and nothing received since the last sweep
+        quiet = now - self._quiet_since
+        if self.write_paused:  # replies the peer does not read: they must drain steadily
+            assert self.transport is not None
+            unsent = self.transport.get_write_buffer_size()
+            if unsent != self._seen_unsent:
+                self._seen_unsent, self._send_since = unsent, now
+            elif config.body_timeout and now - self._send_since >= config.body_timeout:
+                self._time_out("send_timeouts", "replies not read")
+            return
+        self._seen_unsent = -1
+        if self.busy or self.held:
+            return  # waiting for the server itself, not for the peer
+        if self.body is not None or self.discard_left:
+            if config.body_timeout and quiet >= config.body_timeout:
+                self._time_out("body_timeouts", "request body stalled")
+        elif self.end > self.start:  # a header has started and not completed
+            if self._header_since is None or self.parsed != self._seen_parsed:
+                self._header_since, self._seen_parsed = now, self.parsed
+            elif config.header_timeout and now - self._header_since >= config.header_timeout:
+                self._time_out("header_timeouts", "request header incomplete")
+            return
+        elif close_idle and config.idle_timeout and quiet >= config.idle_timeout and not self.acks_in_flight:
+            self.counters["idle_closed"] += 1
+            log.debug("closing idle connection", peer=self.peer, idle_s=round(quiet, 1))
+            self._linger_close()
+        self._header_since = None
+
+    def _time_out(self, counter: str, reason: str) -> None:
+        """The peer stopped making progress: drop the connection (and what it reserved)."""
+        self.counters[counter] += 1
+        throttled.warning("connection timed out", peer=self.peer, reason=reason)
+        self.closed = True
+        assert self.transport is not None
+        self.transport.abort()  # close() would wait for unsent replies the peer never reads
+
     # -- reading --------------------------------------------------------------------------
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self.body is not None:
-            return self.body[self.body_pos :]
+            return self.body[self.body_pos : self.body_limit]
+        if not self.staging:
+            self._take_staging()
         if self.discard_left:
             return self.staging_view  # staging is empty whenever a body is being received
         if self.start and self.end + 512 > STAGING_SIZE:
@@ -270,10 +406,14 @@ class LMProtocol(asyncio.BufferedProtocol):
             self.start = self.end = 0  # closing: what still arrives is dropped
             return
         self.counters["bytes_received"] += nbytes
+        self.received += nbytes
         if self.body is not None:
             self.body_pos += nbytes
-            if self.body_pos == len(self.body):
-                self._body_complete()
+            if self.body_pos == self.body_limit:
+                if self.body_pos == len(self.body):
+                    self._body_complete()
+                else:
+                    self._grow_body()
         elif self.discard_left:
             dropped = min(nbytes, self.discard_left)
             self.discard_left -= dropped
@@ -299,8 +439,12 @@ class LMProtocol(asyncio.BufferedProtocol):
     def _serve_staged(self, generation: Generation) -> None:
         # The hot loop of pipelined small requests: keep its per-request work minimal.
         size = REQUEST_SIZE[generation]
-        staging = self.staging
+        staging = self.staging_view
         handlers = self._handlers
+        by_command = self.by_command
+        # Requests by command, counted as runs of one command (a pipelined burst is usually one
+        # run): a local small-int add per request instead of a list update.
+        last, run = EXIST_HITS_SLOT, 0
         served = 0
         check = True  # whether the last request may have changed what _can_parse says
         while self.end - self.start >= size:
@@ -320,12 +464,19 @@ class LMProtocol(asyncio.BufferedProtocol):
                 self._on_header(request)
                 check = True
             else:
+                if command == last:
+                    run += 1
+                else:
+                    by_command[last] += run
+                    last, run = command, 1
                 handlers[command](request, _EMPTY)
                 check = command not in _ANSWERED_INLINE
             if self.reply_bytes >= FLUSH_THRESHOLD:
                 self._flush()
                 check = True
+        by_command[last] += run
         self.counters["requests"] += served
+        self.parsed += served
 
     def _can_parse(self) -> bool:
         return not (
@@ -341,9 +492,12 @@ class LMProtocol(asyncio.BufferedProtocol):
 
     def _on_header(self, req: Request) -> None:
         command = req.command
+        if req.problem is None:
+            self.by_command[command] += 1
         if req.problem is not None:
             self._refuse(req, Status.FAIL, req.problem, counter="bad_requests")
         elif command == Command.PUT or command == Command.PUT_ACK:
+            self._time_start()
             self._begin_put(req)
         elif req.length > MAX_CONTROL_BODY:
             self._refuse(req, Status.TOO_LARGE, f"body of {req.length} bytes exceeds {MAX_CONTROL_BODY}")
@@ -364,6 +518,9 @@ class LMProtocol(asyncio.BufferedProtocol):
     def _refuse(self, req: Request, status: Status, reason: str, *, counter: str = "refused") -> None:
         """Answer a request the server will not serve, and drop its body unread."""
         self.counters[counter] += 1
+        if req.problem is None:
+            # By command for metrics; not "refused_..." (STATS sums those as refusals once).
+            self.counters[f"command_{int(req.command)}_refused"] += 1
         log.debug("request refused", peer=self.peer, command=req.command, reason=reason)
         if req.command == Command.PUT:
             pass  # fire-and-forget: upstream clients read no reply to a PUT
@@ -394,13 +551,54 @@ class LMProtocol(asyncio.BufferedProtocol):
         if staged == len(target):
             done()
             return
-        self.body, self.body_pos, self.body_done = target, staged, done
+        self.body, self.body_pos, self.body_limit, self.body_done = target, staged, len(target), done
 
     def _body_complete(self) -> None:
         done = self.body_done
-        self.body = self.body_done = None
+        self.body = self.body_done = self.body_request = None
         assert done is not None
         done()
+
+    def _grow_body(self) -> None:
+        """The charged part of a PUT's buffer is full: charge more before reading on."""
+        entry, body = self.body_entry, self.body
+        assert entry is not None and body is not None
+        want = min(len(body), max(2 * self.body_pos, self.body_pos + STAGING_SIZE))
+        if want == len(body):
+            want = len(entry.buffer)  # all of it: a fully charged buffer is reused later
+        if self.store.memory.grow(entry, want):
+            self._body_grown(True)
+        else:
+            self._await(self.store.grow_wait(entry, want, self.config.put_wait_timeout), self._body_grown)
+
+    def _body_grown(self, ok: bool) -> None:
+        entry, body, req = self.body_entry, self.body, self.body_request
+        assert entry is not None and body is not None and req is not None
+        if ok:
+            self.body_limit = min(entry.charged, len(body))
+            return
+        # No memory for the rest of the body: give back what it holds, answer, drop the rest.
+        self.body_entry = self.body = self.body_done = self.body_request = None
+        self.store.abort(entry)
+        remaining = len(body) - self.body_pos
+        self._refuse(req, Status.NO_SPACE, "memory is full of objects in use", counter="refused_no_space")
+        self.discard_left = remaining
+
+    def _take_staging(self) -> None:
+        try:
+            self.staging = _free_staging.pop()
+        except IndexError:
+            # An mmap: its pages cost RSS only once touched (one, for a lone small request),
+            # and a freed one goes back to the OS, not into malloc's heap.
+            self.staging = mmap.mmap(-1, STAGING_SIZE)
+        self.staging_view = memoryview(self.staging)
+
+    def _give_staging(self) -> None:
+        """Return the staging buffer to the free list (only while nothing is staged)."""
+        if self.staging and self.end == 0:
+            if len(_free_staging) < STAGING_KEPT:
+                _free_staging.append(self.staging)  # type: ignore[arg-type]  # never _NO_STAGING
+            self.staging, self.staging_view = _NO_STAGING, _EMPTY
 
     # -- PUT ------------------------------------------------------------------------------
 
@@ -413,10 +611,15 @@ class LMProtocol(asyncio.BufferedProtocol):
                 counter="refused_too_large",
             )
             return
-        entry = self.store.reserve(req.length)
+        # Charge only what is staged, plus room for one read (module docstring).
+        first = self.end - self.start + STAGING_SIZE
+        # A body that fits the first charge is charged whole: a fully charged buffer is reused.
+        upfront = None if first >= req.length else first
+        entry = self.store.reserve(req.length, upfront)
         if entry is None:
+            self.counters["put_waits_memory"] += 1
             self._await(
-                self.store.reserve_wait(req.length, self.config.put_wait_timeout),
+                self.store.reserve_wait(req.length, self.config.put_wait_timeout, upfront),
                 lambda entry: self._receive_put(req, entry),
             )
             return
@@ -424,22 +627,29 @@ class LMProtocol(asyncio.BufferedProtocol):
 
     def _receive_put(self, req: Request, entry: Entry | None) -> None:
         if entry is None:
+            self._time_end(req.command)
             self._refuse(req, Status.NO_SPACE, "memory is full of objects in use", counter="refused_no_space")
             return
         self.body_entry = entry
+        self.body_request = req
         self._receive_body(memoryview(entry.buffer)[: req.length], lambda: self._finish_put(req, entry))
+        if self.body is not None:
+            self.body_limit = min(entry.charged, req.length)
+            if self.body_pos == self.body_limit:
+                self._grow_body()
 
     def _finish_put(self, req: Request, entry: Entry) -> None:
-        self.body_entry = None
+        self.body_entry = self.body_request = None
         meta = req.meta if req.generation == Generation.V1 else NO_META
         persisted = self.store.commit(req.key, entry, meta, acknowledged=req.command == Command.PUT_ACK)
         self.counters["puts"] += 1
-        if req.command != Command.PUT_ACK:
+        self.counters["put_bytes"] += req.length
+        if req.command != Command.PUT_ACK or persisted is None:
+            self._time_end(req.command)
+            if req.command == Command.PUT_ACK:
+                self._reply(Status.SUCCESS)
             return
-        if persisted is None:
-            self._reply(Status.SUCCESS)
-            return
-        slot = _Held(ready=False)
+        slot = _Held(ready=False, started=self.timed_since)
         self.held.append(slot)
         self.acks_in_flight += 1
         persisted.add_done_callback(lambda done: self._ack_persisted(slot, done.result()))
@@ -448,6 +658,7 @@ class LMProtocol(asyncio.BufferedProtocol):
         self.acks_in_flight -= 1
         if self.closed:
             return
+        self._time_end(Command.PUT_ACK, slot.started)  # others may be timed meanwhile
         assert self.generation is not None
         if ok:
             slot.buffers.append(self._canned[Status.SUCCESS])
@@ -484,21 +695,49 @@ class LMProtocol(asyncio.BufferedProtocol):
         if entry is not None:
             self._reply_object(entry)
         elif self.store.in_lower(req.key):
+            self._time_start()
             self._await(self.store.fetch(req.key), self._reply_fetched)
         else:
             self._reply_miss()
 
     def _exist(self, req: Request, body: memoryview) -> None:
-        self._emit_canned(_SUCCESS if self.store.contains(req.key) else _FAIL)
+        if self.store.contains(req.key):
+            self.by_command[EXIST_HITS_SLOT] += 1
+            self._emit_canned(_SUCCESS)
+        else:
+            self._emit_canned(_FAIL)
 
     def _list(self, req: Request, body: memoryview) -> None:
+        # The reply is held from the memory budget, like an object being sent: a client that
+        # sends LISTs and never reads cannot grow the server past --memory-limit. It is
+        # encoded in batches, so no second whole copy of it exists outside the budget.
         keys = self.store.keys(req.key, self.config.max_list_keys)
-        self._reply(Status.SUCCESS, memoryview(encode_key_lines(keys)))
+        if not keys:
+            self._reply(Status.SUCCESS)
+            return
+        chunks = [encode_key_lines(keys[i : i + _LIST_BATCH]) for i in range(0, len(keys), _LIST_BATCH)]
+        del keys
+        entry = self.store.reserve(sum(map(len, chunks)) + len(chunks) - 1)
+        if entry is None:
+            self.counters["refused_no_space"] += 1
+            self._reply(Status.FAIL)  # an upstream command: 400, length 0
+            return
+        out, pos = memoryview(entry.buffer), 0
+        for chunk in chunks:
+            if pos:
+                out[pos] = 0x0A  # the newline between batches
+                pos += 1
+            out[pos : pos + len(chunk)] = chunk
+            pos += len(chunk)
+        assert self.generation is not None
+        header = encode_reply(Status.SUCCESS, entry.length, generation=self.generation, meta=PLACEHOLDER_META)
+        self._emit(header, entry.view, pin=entry)
 
     def _health(self, req: Request, body: memoryview) -> None:
         self._emit_canned(Status.FAIL if self.state.shutting_down else Status.SUCCESS)
 
     def _delete(self, req: Request, body: memoryview) -> None:
+        self._time_start()
         self._await(self.store.delete(req.key), self._reply_deleted)
 
     def _exist_many(self, req: Request, body: memoryview) -> None:
@@ -515,6 +754,7 @@ class LMProtocol(asyncio.BufferedProtocol):
         self._reply(Status.SUCCESS, memoryview(encode_json(server_stats(self.state))))
 
     def _reply_fetched(self, entry: Entry | None) -> None:
+        self._time_end(Command.GET)
         if entry is None:
             self._reply_miss()
         else:
@@ -525,7 +765,20 @@ class LMProtocol(asyncio.BufferedProtocol):
         self._reply(Status.FAIL)
 
     def _reply_deleted(self, found: bool) -> None:
+        self._time_end(Command.DELETE)
         self._reply(Status.SUCCESS if found else Status.NOT_FOUND)
+
+    # -- latency of requests that are not answered inline (metrics) ----------------------
+
+    def _time_start(self) -> None:
+        if self.state.latency is not None:
+            self.timed_since = time.perf_counter()
+
+    def _time_end(self, command: int, started: float | None = None) -> None:
+        latency = self.state.latency
+        if latency is not None:
+            since = self.timed_since if started is None else started
+            latency.record(command, time.perf_counter() - since)
 
     # -- replies ------------------------------------------------------------------------
 
@@ -544,6 +797,7 @@ class LMProtocol(asyncio.BufferedProtocol):
         header = encode_reply(Status.SUCCESS, entry.length, generation=self.generation, meta=meta)
         self._emit(header, entry.view, pin=entry)
         self.counters["gets_served"] += 1
+        self.counters["get_bytes"] += entry.length
 
     def _emit_canned(self, status: int) -> None:
         """A reply with no body: one precomputed header (the common case, kept fast)."""
@@ -573,15 +827,19 @@ class LMProtocol(asyncio.BufferedProtocol):
     def _flush(self) -> None:
         if not self.replies or self.closed:
             return
-        replies, self.replies, self.reply_bytes = self.replies, [], 0
+        replies, reply_bytes = self.replies, self.reply_bytes
+        self.replies, self.reply_bytes = [], 0
         transport = self.transport
         assert transport is not None
-        if len(replies) == 1:
+        if self.outbox or (self.copying_transport and reply_bytes > WRITE_PIECE):
+            self.outbox += replies
+            self._pump()
+        elif len(replies) == 1:
             transport.write(replies[0])
         else:
             transport.writelines(replies)
         if self.reply_pins:
-            if transport.get_write_buffer_size() == 0:
+            if transport.get_write_buffer_size() == 0 and not self.outbox:
                 self._unpin(self.reply_pins)
             else:
                 self.unsent_pins += self.reply_pins
@@ -591,8 +849,27 @@ class LMProtocol(asyncio.BufferedProtocol):
         self.write_paused = True
         self._update_reading()
 
+    def _pump(self) -> None:
+        """Hand the outbox to the transport a piece at a time, while it sends everything it
+        is given (with write-buffer limits (0, 0) a piece it cannot finish pauses writing)."""
+        outbox, transport = self.outbox, self.transport
+        assert transport is not None
+        while outbox and not self.write_paused and not transport.is_closing():
+            head = outbox[0]
+            if len(head) > WRITE_PIECE:
+                view = memoryview(head)
+                outbox[0] = view[WRITE_PIECE:]
+                transport.write(view[:WRITE_PIECE])
+            else:
+                outbox.popleft()
+                transport.write(head)
+
     def resume_writing(self) -> None:
         self.write_paused = False
+        if self.outbox:
+            self._pump()
+            if self.outbox or self.write_paused:
+                return  # the rest of the replies still references the pinned objects
         self._unpin(self.unsent_pins)
         self.unsent_pins = []
         self._process()
@@ -609,6 +886,7 @@ class LMProtocol(asyncio.BufferedProtocol):
             self._unpin(slot.pins)
         self.reply_pins, self.unsent_pins = [], []
         self.held.clear()
+        self.outbox.clear()
 
     # -- waiting ------------------------------------------------------------------------
 
@@ -650,6 +928,29 @@ class LMProtocol(asyncio.BufferedProtocol):
         else:
             self.transport.resume_reading()
 
+
+def sweep_interval(config: Any) -> float:
+    """How often timeouts are checked: a quarter of the shortest one, within 50 ms - 1 s."""
+    timeouts = [t for t in (config.idle_timeout, config.header_timeout, config.body_timeout) if t]
+    return min(1.0, max(0.05, min(timeouts, default=4.0) / 4))
+
+
+async def sweep(state: ServerState) -> None:
+    """Check every connection's timeouts and staging buffer, forever (a server task)."""
+    config = state.config
+    interval = sweep_interval(config)
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(interval)
+        now = loop.time()
+        close_idle = len(state.connections) > config.max_connections * 3 // 4
+        for connection in list(state.connections):
+            connection.tick(now, close_idle)
+
+
+COMMAND_SLOTS = max(Command) + 1
+EXIST_HITS_SLOT = 0
+"""``by_command`` slot 0 (no command has number 0) counts EXISTs that found their key."""
 
 _EXTENSIONS = frozenset({Command.PUT_ACK, Command.DELETE, Command.EXIST_MANY, Command.STATS})
 _ANSWERED_INLINE = frozenset({Command.EXIST, Command.HEALTH, Command.LIST, Command.STATS})

@@ -27,18 +27,19 @@ from sortedcontainers import SortedSet
 
 from lmproto import NO_META, ObjectMeta
 
-from .pool import BufferPool
+from .pool import Buffer, BufferPool, size_class
 from .tiers.base import Victim
 
 
 class Entry:
     """One object (or one reservation, before ``commit``) and its buffer."""
 
-    __slots__ = ("buffer", "key", "length", "lent", "live", "meta", "pins", "tick")
+    __slots__ = ("buffer", "charged", "key", "length", "lent", "live", "meta", "pins", "tick")
 
-    def __init__(self, buffer: bytearray, length: int) -> None:
+    def __init__(self, buffer: Buffer, length: int, charged: int) -> None:
         self.buffer = buffer
         self.length = length
+        self.charged = charged  # bytes of the buffer counted against capacity
         self.key = ""
         self.meta: ObjectMeta = NO_META
         self.pins = 1  # the creator's pin: a reservation is pinned by its writer
@@ -117,16 +118,33 @@ class MemoryTier:
 
     # -- writing --------------------------------------------------------------------------
 
-    def reserve(self, length: int) -> Entry | None:
+    def reserve(self, length: int, upfront: int | None = None) -> Entry | None:
         """A pinned, unpublished entry with room for ``length`` bytes, evicting LRU objects
-        as needed; None when even eviction cannot make room (everything left is pinned)."""
+        as needed; None when even eviction cannot make room (everything left is pinned).
+
+        With ``upfront``, a fresh buffer is charged only that much for now: its writer
+        calls ``grow`` before filling more of it (``Entry.charged`` says how far it may)."""
+        charge = size_class(length) if upfront is None else upfront
         while True:
-            buf = self.pool.acquire(length)
-            if buf is not None:
-                return Entry(buf, length)
+            got = self.pool.acquire_partial(length, charge)
+            if got is not None:
+                return Entry(got[0], length, got[1])
             if not self._evict_one():
                 self.counters.refusals += 1
                 return None
+
+    def grow(self, entry: Entry, charged: int) -> bool:
+        """Charge ``entry`` up to ``charged`` bytes (at most its buffer), evicting LRU objects
+        as needed; False when even eviction cannot make room."""
+        more = min(charged, len(entry.buffer)) - entry.charged
+        while more > 0:
+            if self.pool.charge(more):
+                entry.charged += more
+                return True
+            if not self._evict_one():
+                self.counters.refusals += 1
+                return False
+        return True
 
     def commit(self, key: str, entry: Entry, meta: ObjectMeta) -> None:
         """Publish a reserved entry under ``key`` (replacing any old object) and drop the
@@ -203,7 +221,7 @@ class MemoryTier:
             if release:
                 entry.buffer = None  # type: ignore[assignment]
         if release:
-            self.pool.release(buf, lent=entry.lent)
+            self.pool.release(buf, entry.charged, lent=entry.lent)
             if self.on_space_freed is not None:
                 self.on_space_freed()
 

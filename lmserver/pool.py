@@ -1,21 +1,36 @@
 """A size-class pool of reusable object buffers, bounded in bytes.
 
-Strategy: a fresh ``bytearray(32 MiB)`` costs page faults and a memset on every PUT
-(measured 3x slower than reuse here), while KV-cache chunks come in a handful of fixed
-sizes. So buffers are kept on per-size-class free lists and handed out again. Classes round
-a length up to 1/16 of its power of two (4 KiB minimum), wasting at most ~6%.
+Strategy: a fresh 32 MiB buffer costs page faults on every PUT (measured 3x slower than
+reuse here), while KV-cache chunks come in a handful of fixed sizes. So buffers are kept on
+per-size-class free lists and handed out again. Classes round a length up to 1/16 of its
+power of two (4 KiB minimum), wasting at most ~6%.
+
+Every buffer is its own anonymous ``mmap``: dropping one unmaps it, so its memory really
+goes back to the OS. (``bytearray`` buffers came from malloc's heap, which glibc keeps
+fragmented: a long overwrite run reached 1.7x ``--memory-limit`` in RSS while the pool's
+accounting stayed under it.) An mmap's pages are also untouched until written: a buffer
+costs RSS only as its body arrives. Nobody closes a buffer explicitly; the mapping goes
+when the last reference (memoryviews included) does, so no reader can see it unmapped.
 
 Capacity is counted in class bytes, for buffers in use *and* on free lists, so the pool
 never holds more memory than it was given. When a class has no free buffer and the budget
 is spent, free buffers of other classes are dropped (their memory goes back to the OS)
 before the caller is told to evict.
+
+A fresh buffer may be *charged* partially (``acquire_partial``) and grow its charge as it
+is filled (``charge``): a PUT whose body has not arrived then holds only what it has
+received, not what its header announced. A partially charged buffer is never reused (its
+pages are counted as untouched); it is dropped on release.
 """
 
 from __future__ import annotations
 
+import mmap
 import threading
 
 _MIN_CLASS = 4096
+
+Buffer = mmap.mmap
 
 
 def size_class(length: int) -> int:
@@ -32,7 +47,7 @@ class BufferPool:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._lock = threading.Lock()
-        self._free: dict[int, list[bytearray]] = {}
+        self._free: dict[int, list[Buffer]] = {}
         self._in_use = 0  # class bytes handed out and not yet released
         self._idle = 0  # class bytes sitting on free lists
         self._idle_low = 0  # the fewest idle bytes since the last trim_unused()
@@ -60,7 +75,7 @@ class BufferPool:
         with self._lock:
             self.lend_limit = limit
 
-    def lend(self, buf: bytearray) -> bool:
+    def lend(self, buf: Buffer) -> bool:
         """Move an in-use buffer to the lent share, if it has room."""
         cls = len(buf)
         with self._lock:
@@ -70,30 +85,53 @@ class BufferPool:
             self._lent += cls
             return True
 
-    def acquire(self, length: int) -> bytearray | None:
+    def acquire(self, length: int) -> Buffer | None:
         """A buffer of at least ``length`` bytes, or None when the budget is spent."""
+        got = self.acquire_partial(length, size_class(length))
+        return None if got is None else got[0]
+
+    def acquire_partial(self, length: int, charge: int) -> tuple[Buffer, int] | None:
+        """A buffer of at least ``length`` bytes and the bytes charged for it: a reused
+        buffer is charged in full (its pages are resident), a fresh one ``charge`` bytes
+        (at most its class); None when the budget is spent."""
         cls = size_class(length)
         with self._lock:
-            if self._in_use + cls > self.capacity - self.lend_limit:
-                return None
             free = self._free.get(cls)
+            charge = cls if free else min(cls, charge)
+            if self._in_use + charge > self.capacity - self.lend_limit:
+                return None
             if free:
                 self._idle -= cls
                 self._in_use += cls
                 self._idle_low = min(self._idle_low, self._idle)
                 self.reuses += 1
-                return free.pop()
-            self._trim_locked(self.capacity - self._in_use - self._lent - cls)
+                return free.pop(), cls
+            self._trim_locked(self.capacity - self._in_use - self._lent - charge)
             self._idle_low = min(self._idle_low, self._idle)
-            self._in_use += cls
+            self._in_use += charge
             self.fresh_allocations += 1
-        # Allocate outside the lock: a large bytearray is a page-faulting memset.
-        return bytearray(cls)
+        # Outside the lock: mapping is cheap, but page faults come later, as it is written.
+        return mmap.mmap(-1, cls), charge
 
-    def release(self, buf: bytearray, *, lent: bool = False) -> None:
-        """Return a buffer (in use, or ``lent``); it must no longer be referenced by anyone."""
+    def charge(self, nbytes: int) -> bool:
+        """Count ``nbytes`` more of a partially charged buffer; False when the budget is spent
+        (idle buffers are dropped first to make room)."""
+        with self._lock:
+            if self._in_use + nbytes > self.capacity - self.lend_limit:
+                return False
+            self._trim_locked(self.capacity - self._in_use - self._lent - nbytes)
+            self._idle_low = min(self._idle_low, self._idle)
+            self._in_use += nbytes
+            return True
+
+    def release(self, buf: Buffer, charged: int | None = None, *, lent: bool = False) -> None:
+        """Return a buffer (in use and charged ``charged`` bytes, default in full; or
+        ``lent``); it must no longer be referenced by anyone."""
         cls = len(buf)
         with self._lock:
+            if not lent and charged is not None and charged < cls:
+                self._in_use -= charged  # partially filled: not worth keeping, dropped
+                return
             # Its bytes were counted against capacity when acquired: keeping it idle fits.
             if lent:
                 self._lent -= cls

@@ -12,13 +12,14 @@ import contextlib
 import resource
 import signal
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from . import __version__
+from .access import AccessList
 from .config import ServerConfig
-from .connection import LMProtocol
+from .connection import LMProtocol, sweep
 from .logs import configure_logging
 from .memory import MemoryTier
 from .sizes import format_size
@@ -27,6 +28,10 @@ from .stats import log_periodically, trim_idle_memory
 from .store import Store
 from .tiers.base import ConfigError, Tier
 from .tiers.spec import ChainOptions, TierSpec
+from .tls import HANDSHAKE_TIMEOUT_S, server_context
+
+if TYPE_CHECKING:
+    from .metrics import MetricsServer
 
 log = structlog.get_logger("lmserver.server")
 
@@ -55,32 +60,40 @@ class Server:
             build_tiers(config),
             memory_wait=config.put_wait_timeout,
         )
-        self.state = ServerState(config=config, store=store)
-        self._server: asyncio.Server | None = None
+        self.state = ServerState(config=config, store=store, access=AccessList(config.allow))
+        self._server: asyncio.Server | None = None  # the plain listener
+        self._listeners: list[asyncio.Server] = []  # the plain and the TLS one
+        self._metrics: MetricsServer | None = None
         self._stop = asyncio.Event()
         self._background: list[asyncio.Task[None]] = []
         self.host = config.host
         self.port = config.port
+        self.tls_port: int | None = None
+        self.metrics_port: int | None = None
 
     async def start(self) -> None:
         raise_fd_limit()
         await self.state.store.open()
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            lambda: LMProtocol(self.state),
-            self.config.host,
-            self.config.port,
-            backlog=1024,
-            reuse_address=True,
-        )
-        sockname = self._server.sockets[0].getsockname()
-        self.host, self.port = sockname[0], sockname[1]
+        if self.config.plain:
+            self._server = await loop.create_server(
+                lambda: LMProtocol(self.state),
+                self.config.host,
+                self.config.port,
+                backlog=1024,
+                reuse_address=True,
+            )
+            self._listeners.append(self._server)
+            sockname = self._server.sockets[0].getsockname()
+            self.host, self.port = sockname[0], sockname[1]
+        await self._start_operations(loop)
         self._background.append(loop.create_task(log_periodically(self.state)))
         self._background.append(loop.create_task(trim_idle_memory(self.state)))
+        self._background.append(loop.create_task(sweep(self.state)))
         log.info(
             "listening",
             host=self.host,
-            port=self.port,
+            port=self.port if self.config.plain else None,
             version=__version__,
             loop=type(loop).__module__.split(".")[0],
             protocol=self.config.protocol,
@@ -90,7 +103,35 @@ class Server:
             disk=str(self.config.disk) if self.config.disk else None,
             disk_limit=format_size(self.config.disk_limit) if self.config.disk else None,
             fsync=self.config.fsync if self.config.disk else None,
+            plain=self.config.plain,
+            tls_port=self.tls_port,
+            metrics_port=self.metrics_port,
+            allow=list(self.config.allow) or None,
         )
+
+    async def _start_operations(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The TLS listener and the metrics endpoint, when configured."""
+        config = self.config
+        if config.tls_port is not None:
+            assert config.tls_cert is not None
+            tls = await loop.create_server(
+                lambda: LMProtocol(self.state),
+                config.host,
+                config.tls_port,
+                ssl=server_context(config.tls_cert, config.tls_key, config.tls_client_ca),
+                ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S,
+                backlog=1024,
+                reuse_address=True,
+            )
+            self._listeners.append(tls)
+            self.tls_port = tls.sockets[0].getsockname()[1]
+        if config.metrics_port is not None:
+            from .metrics import LatencyRecorder, MetricsServer
+
+            self.state.latency = LatencyRecorder()
+            self._metrics = MetricsServer(self.state, loop)
+            self._metrics.start(config.metrics_host or config.host, config.metrics_port)
+            self.metrics_port = self._metrics.port
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -106,8 +147,8 @@ class Server:
     async def shutdown(self) -> None:
         state = self.state
         state.shutting_down = True
-        if self._server is not None:
-            self._server.close()
+        for listener in self._listeners:
+            listener.close()
         for connection in list(state.connections):
             connection.shutdown()
         if state.connections:
@@ -123,8 +164,10 @@ class Server:
         for task in self._background:
             task.cancel()
         await self.state.store.close(flush_s=self.config.shutdown_timeout)
-        if self._server is not None:
-            await self._server.wait_closed()
+        for listener in self._listeners:
+            await listener.wait_closed()
+        if self._metrics is not None:
+            self._metrics.stop()
         log.info("stopped", counters=dict(state.counters))
 
 
@@ -163,8 +206,8 @@ def run(config: ServerConfig) -> int:
         nonlocal signals
         signals += 1
         if signals == 1:
+            server.request_stop()  # first: nothing (a failing log write included) may prevent it
             log.info("stopping", signal=signal.Signals(signum).name, timeout_s=config.shutdown_timeout)
-            server.request_stop()
         else:
             log.warning("second signal: exiting now")
             raise SystemExit(1)
@@ -222,6 +265,16 @@ class ServerThread:
     def port(self) -> int:
         assert self.server is not None
         return self.server.port
+
+    @property
+    def tls_port(self) -> int | None:
+        assert self.server is not None
+        return self.server.tls_port
+
+    @property
+    def metrics_port(self) -> int | None:
+        assert self.server is not None
+        return self.server.metrics_port
 
     def call(self, fn: Any, *args: Any) -> Any:
         """Run ``fn(*args)`` on the server's loop and return its result (for inspection)."""

@@ -8,11 +8,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .access import AccessList
 from .config import ServerConfig
 from .store import Store
 
 if TYPE_CHECKING:
     from .connection import LMProtocol
+    from .metrics import LatencyRecorder
 
 
 @dataclass
@@ -20,9 +22,33 @@ class ServerState:
     config: ServerConfig
     store: Store
     connections: set[LMProtocol] = field(default_factory=set)
+    connections_per_address: Counter[str] = field(default_factory=Counter)
     counters: Counter[str] = field(default_factory=Counter)
     started_at: float = field(default_factory=time.time)
     shutting_down: bool = False
     tasks: set[asyncio.Future[object]] = field(default_factory=set)
     # Set whenever no connection is open (the shutdown waits on it).
     no_connections: asyncio.Event = field(default_factory=asyncio.Event)
+    access: AccessList = field(default_factory=lambda: AccessList(()))
+    # Per-command latency histograms, filled only when metrics are served (see metrics.py).
+    latency: LatencyRecorder | None = None
+    # Requests by command number of the connections already closed (see LMProtocol.by_command).
+    closed_by_command: list[int] = field(default_factory=list)
+
+    def fold_command_counts(self, counts: list[int]) -> None:
+        _add_into(self.closed_by_command, counts)
+
+    def requests_by_command(self) -> list[int]:
+        """Requests by command number so far, open connections included."""
+        totals = list(self.closed_by_command)
+        for connection in self.connections:
+            _add_into(totals, connection.by_command)
+        return totals
+
+
+def _add_into(totals: list[int], counts: list[int]) -> None:
+    if len(totals) < len(counts):
+        totals += [0] * (len(counts) - len(totals))
+    for i, n in enumerate(counts):
+        if n:
+            totals[i] += n

@@ -113,18 +113,26 @@ class Store:
 
     # -- PUT ----------------------------------------------------------------------------
 
-    def reserve(self, length: int) -> Entry | None:
-        return self.memory.reserve(length)
+    def reserve(self, length: int, upfront: int | None = None) -> Entry | None:
+        return self.memory.reserve(length, upfront)
 
-    async def reserve_wait(self, length: int, max_wait: float) -> Entry | None:
+    async def reserve_wait(self, length: int, max_wait: float, upfront: int | None = None) -> Entry | None:
         """Reserve, waiting up to ``max_wait`` seconds for pinned memory to be released."""
         deadline = time.monotonic() + max_wait
         while True:
-            entry = self.memory.reserve(length)
+            entry = self.memory.reserve(length, upfront)
             if entry is not None:
                 return entry
             if not await self._wait_for_space(deadline):
                 return None
+
+    async def grow_wait(self, entry: Entry, charged: int, max_wait: float) -> bool:
+        """``MemoryTier.grow``, waiting up to ``max_wait`` seconds for pinned memory."""
+        deadline = time.monotonic() + max_wait
+        while not self.memory.grow(entry, charged):
+            if not await self._wait_for_space(deadline):
+                return False
+        return True
 
     async def _wait_for_space(self, deadline: float) -> bool:
         """Wait until memory is released (or a short poll passes); False past ``deadline``."""

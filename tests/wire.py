@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import socket
+import time
+from collections import Counter
+from typing import Any
 
 from lmproto import (
     NO_META,
     REPLY_SIZE,
+    V0_REQUEST,
     Command,
     Generation,
     ObjectMeta,
@@ -81,3 +85,22 @@ class Wire:
             return True
         except TimeoutError:
             return False
+
+
+def stats(server: Any) -> Counter[str]:
+    """A ServerThread's counters and memory usage; absent counters read as 0."""
+    return server.call(  # type: ignore[no-any-return]
+        lambda: Counter({**server.server.state.counters, **server.server.state.store.memory.usage()})
+    )
+
+
+def wait_until(predicate: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached")
+        time.sleep(0.01)
+
+
+def raw_v0(command: int, length: int, key: bytes) -> bytes:
+    return V0_REQUEST.pack(command, length, key.ljust(150, b" "))

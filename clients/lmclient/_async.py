@@ -38,6 +38,7 @@ from ._exceptions import (
 from ._ops import BaseClient, Batch, Op
 from ._placement import Address
 from ._sync import Client
+from ._tls import TLSSocket, wrap_nonblocking
 from ._wire import IOV_MAX, Inbox, Received, advance, read_reply, readable_now
 
 if TYPE_CHECKING:
@@ -73,7 +74,7 @@ def _like(exc: TransportError) -> TransportError:
 class _Connection:
     """One non-blocking socket with pipelined requests; lives on one event loop."""
 
-    def __init__(self, sock: socket.socket, settings: Settings) -> None:
+    def __init__(self, sock: socket.socket | TLSSocket, settings: Settings) -> None:
         self._sock = sock
         self._fd = sock.fileno()
         self._settings = settings
@@ -98,7 +99,10 @@ class _Connection:
         with map_exceptions(CONNECT_ERRORS):
             async with asyncio.timeout(settings.timeout.connect):
                 infos = await loop.getaddrinfo(address.host, address.port, type=socket.SOCK_STREAM)
-                return cls(await cls._connect_any(loop, infos), settings)
+                sock = await cls._connect_any(loop, infos)
+                if settings.ssl_context is None:
+                    return cls(sock, settings)
+                return cls(await wrap_nonblocking(sock, settings.ssl_context, address.host), settings)
 
     @staticmethod
     async def _connect_any(loop: asyncio.AbstractEventLoop, infos: list[Any]) -> socket.socket:

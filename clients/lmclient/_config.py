@@ -7,6 +7,7 @@ the same arguments and decide the same way; only sleeping and waiting differ bet
 from __future__ import annotations
 
 import random
+import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -21,6 +22,7 @@ from ._exceptions import (
     TransportError,
 )
 from ._placement import Address
+from ._tls import SslOption, client_context
 
 DEFAULT_PORT = 65432
 """LMCache's customary ``lm://`` port."""
@@ -135,6 +137,7 @@ class Settings:
     max_connections: int
     exist_many: ExistManyMode
     probe_timeout: float
+    ssl_context: ssl.SSLContext | None = None  # TLS (lms://) when set; see _tls.py
 
     @property
     def host(self) -> str:
@@ -158,6 +161,7 @@ def make_settings(
     max_connections: int,
     exist_many: ExistManyMode,
     probe_timeout: float,
+    tls: SslOption = None,
 ) -> Settings:
     if isinstance(protocol, Generation):
         generation = protocol
@@ -184,12 +188,13 @@ def make_settings(
         max_connections=max_connections,
         exist_many=exist_many,
         probe_timeout=probe_timeout,
+        ssl_context=client_context(tls),
     )
 
 
 def _address(spec: ServerSpec) -> Address:
     if isinstance(spec, str):
-        spec = spec.removeprefix("lm://")
+        spec = spec.removeprefix("lm://").removeprefix("lms://")
         found = parse_servers(f"lm://{spec}")
         if len(found) != 1:
             raise InvalidRequest(f"expected one host:port, not {spec!r}")
@@ -204,7 +209,7 @@ def parse_servers(url: str) -> list[Address]:
     """``lm://host[:port][,host[:port]...]`` (LMCACHE_REMOTE_URL's form, with a comma-separated
     server list) to addresses; the port defaults to 65432; IPv6 hosts go in brackets."""
     scheme, sep, rest = url.partition("://")
-    if scheme != "lm" or not sep:
+    if scheme not in ("lm", "lms") or not sep:
         raise InvalidRequest(f"expected lm://host[:port][,host[:port]...], not {url!r}")
     rest = rest.rstrip("/")
     addresses = []
@@ -227,3 +232,8 @@ def parse_servers(url: str) -> list[Address]:
             raise InvalidRequest(f"port {port} out of range in {url!r}")
         addresses.append(Address(host, port))
     return addresses
+
+
+def url_wants_tls(url: str) -> bool:
+    """``lms://`` asks for TLS."""
+    return url.partition("://")[0] == "lms"

@@ -52,6 +52,7 @@ from ._config import (
     compute_backoff,
     make_settings,
     parse_servers,
+    url_wants_tls,
 )
 from ._exceptions import (
     BufferTooSmall,
@@ -69,6 +70,7 @@ from ._exceptions import (
     WriteError,
 )
 from ._placement import Address, Placement
+from ._tls import SslOption
 from ._wire import Received, Sink, fresh_sink, readable_view, writable_view
 
 if TYPE_CHECKING:
@@ -403,6 +405,7 @@ class BaseClient:
         exist_many: ExistManyMode = "auto",
         probe_timeout: float = 2.0,
         skip_down: bool | None = None,
+        ssl: SslOption = None,
     ) -> None:
         self._settings: Settings = make_settings(
             servers if servers is not None else [(host, port)],
@@ -412,6 +415,7 @@ class BaseClient:
             max_connections,
             exist_many,
             probe_timeout,
+            ssl,
         )
         self._commands = Commands(self._settings.generation)
         self._placement = Placement(self._settings.servers, max_connections)
@@ -430,8 +434,11 @@ class BaseClient:
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> Self:
-        """A client for ``lm://host:port`` (LMCache's ``LMCACHE_REMOTE_URL`` form), or for
-        several servers: ``lm://h1:p1,h2:p2,...``."""
+        """A client for ``lm://host:port`` (LMCache's ``LMCACHE_REMOTE_URL`` form), for
+        several servers (``lm://h1:p1,h2:p2,...``), or ``lms://`` for TLS with the system's
+        CAs (pass ``ssl=context`` for others)."""
+        if url_wants_tls(url):
+            kwargs.setdefault("ssl", True)
         return cls(servers=parse_servers(url), **kwargs)
 
     @property

@@ -29,6 +29,7 @@ from ._exceptions import (
 )
 from ._ops import BaseClient, Batch, Flow, Op
 from ._placement import Address
+from ._tls import TLSSocket, wrap_blocking
 from ._wire import IOV_MAX, Inbox, Received, advance, read_reply, readable_now
 
 if TYPE_CHECKING:
@@ -52,9 +53,12 @@ class _Connection:
 
     def __init__(self, settings: Settings, address: Address) -> None:
         timeout = settings.timeout
+        self._sock: socket.socket | TLSSocket
         with map_exceptions(CONNECT_ERRORS):
             self._sock = socket.create_connection(address, timeout=timeout.connect)
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if settings.ssl_context is not None:
+                self._sock = wrap_blocking(self._sock, settings.ssl_context, address.host)
         self._generation = settings.generation
         self._timeout = timeout
         self._inbox = Inbox()

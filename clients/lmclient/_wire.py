@@ -17,7 +17,7 @@ import select
 import socket
 import sys
 from collections.abc import Callable, Generator, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from lmproto import REPLY_SIZE, Generation, RemoteProtocolError, Reply, Status, decode_reply
 
@@ -40,6 +40,11 @@ def _iov_max() -> int:
 
 
 IOV_MAX = _iov_max()
+
+
+class HasFileno(Protocol):
+    def fileno(self) -> int: ...
+
 
 Sink = Callable[[Reply], "memoryview | LMClientError"]
 """Where a successful reply's body goes: a writable byte view of at least ``reply.length``
@@ -107,7 +112,7 @@ def advance(buffers: Sequence[memoryview], sent: int) -> list[memoryview]:
     return rest
 
 
-def readable_now(sock: socket.socket) -> bool:
+def readable_now(sock: socket.socket | HasFileno) -> bool:
     """Whether an idle connection has something to read: the server closed it (EOF or
     reset) or sent bytes nobody asked for; either way it must not be reused."""
     try:

@@ -21,6 +21,7 @@ Every other option is the tier's own; a tier reads them with the typed getters b
 
 from __future__ import annotations
 
+import re
 import urllib.parse
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
@@ -32,6 +33,7 @@ Mode = Literal["write-behind", "demote"]
 MODES: tuple[Mode, ...] = ("write-behind", "demote")
 DEFAULT_QUEUE_BYTES = 256 * 1024**2
 _S = TypeVar("_S", bound=str)
+_SECRET = re.compile(r"(?<=[?&])(token|secret|password)=[^&]*", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,11 @@ class TierSpec:
         return cls(kind, target, tuple(pairs), text)
 
     def __str__(self) -> str:
-        return self.text or f"{self.kind}:{self.target}"
+        # Secrets given as options (an HF token) must never reach logs or error messages.
+        return _SECRET.sub(r"\1=***", self.text) or f"{self.kind}:{self.target}"
+
+    def __repr__(self) -> str:
+        return f"TierSpec({str(self)!r})"
 
     # -- typed option getters (each marks its option as understood) ---------------------
 

@@ -5,31 +5,11 @@ from __future__ import annotations
 import socket
 import struct
 import time
-from collections import Counter
 
 import pytest
-from wire import Wire
+from wire import Wire, raw_v0, stats, wait_until
 
-from lmproto import MAX_CONTROL_BODY, V0_REQUEST, Command, Generation, decode_error_text
-
-
-def stats(server) -> Counter[str]:
-    """Server counters and memory usage; absent counters read as 0."""
-    return server.call(
-        lambda: Counter({**server.server.state.counters, **server.server.state.store.memory.usage()})
-    )
-
-
-def wait_until(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached")
-        time.sleep(0.01)
-
-
-def raw_v0(command: int, length: int, key: bytes) -> bytes:
-    return V0_REQUEST.pack(command, length, key.ljust(150, b" "))
+from lmproto import MAX_CONTROL_BODY, Command, Generation, decode_error_text
 
 
 def test_negative_length_closes_only_that_connection(server_thread) -> None:

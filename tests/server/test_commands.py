@@ -178,3 +178,12 @@ def test_large_objects_round_trip_byte_exact(server_thread, size: int) -> None:
     with Wire(server_thread.host, server_thread.port) as w:
         w.put("big", payload)
         assert w.get("big") == payload
+
+
+def test_list_over_several_encoding_batches(server_thread) -> None:
+    keys = sorted(f"batch/{i:05}" for i in range(2500))
+    with Wire(server_thread.host, server_thread.port) as w:
+        w.send_raw(b"".join(w.frame(Command.PUT, key, b"v") for key in keys))
+        reply, body = w.call(Command.LIST, "batch/")
+        assert reply.status == 200
+        assert decode_key_lines(body) == keys

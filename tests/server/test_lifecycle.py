@@ -82,7 +82,12 @@ def test_help_lists_every_option() -> None:
         "--disk",
         "--disk-limit",
         "--fsync",
+        "--max-connections-per-address",
+        "--idle-timeout",
+        "--header-timeout",
+        "--body-timeout",
         "LMSERVER_PORT",
+        "LMSERVER_BODY_TIMEOUT",
     ]:
         assert option in out, option
 
@@ -111,3 +116,27 @@ def test_upstream_positional_form_with_a_disk_path(spawn_server, tmp_path) -> No
     proc.restart()
     with Wire(proc.host, proc.port) as w:
         assert w.get("k") == b"on disk"
+
+
+def test_sigterm_exits_zero_after_stderr_is_closed() -> None:
+    """Logging never prevents shutdown: the parent closed the read end of stderr, so every
+    log line (the "stopping" one inside the signal handler first) meets a broken pipe."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lmserver", "--port", "0", "--log-format", "json", "--memory-limit", "64MiB"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert proc.stderr is not None
+        port = next(json.loads(line)["port"] for line in proc.stderr if b'"listening"' in line)
+        proc.stderr.close()
+        with Wire("127.0.0.1", port) as w:  # still serving, with a connection that logs
+            w.put("k", b"v")
+            assert w.get("k") == b"v"
+        proc.send_signal(15)
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

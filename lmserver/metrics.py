@@ -1,0 +1,344 @@
+"""Prometheus metrics (``--metrics-port``), read from the server's own counters at scrape time.
+
+Strategy:
+
+* The request path only bumps plain integers it already keeps (``ServerState.counters``,
+  each connection's ``by_command`` list, the store's and tiers' usage numbers). Nothing
+  Prometheus-specific runs per request; a scrape turns those integers into metric families.
+* A scrape arrives on prometheus_client's HTTP thread, but the numbers belong to the event
+  loop: one snapshot (the STATS document plus requests by command and the latency buckets)
+  is taken *on the loop*, then formatted on the HTTP thread.
+* Metrics are derived generically where the source is open-ended, so new counters show up
+  without touching this file: every per-tier numeric field becomes ``lmserver_tier_<field>``
+  (a gauge if listed in ``TIER_GAUGES``, else a counter ``..._total``) with a ``tier`` label;
+  every server counter is also exported as ``lmserver_events_total{event=...}``; every
+  numeric setting as ``lmserver_config{option=...}``; ``connections_refused_<reason>``
+  counters become reasons of ``lmserver_connections_refused_total``.
+* Latency: only requests that are not answered inline (PUT bodies, PUT_ACKs waiting for the
+  disk, reads from lower tiers, DELETE) are timed, into fixed buckets of plain ints. Inline
+  answers (EXIST, HEALTH, LIST, STATS, memory GETs) take microseconds; they are counted in
+  the lowest bucket at scrape time (requests of the command minus timed ones), so the hot
+  path never reads a clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import dataclasses
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from lmproto import Command
+
+from .state import ServerState
+from .stats import server_stats
+
+LATENCY_BOUNDS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+"""Upper bounds (seconds) of the latency buckets: 100 µs (a memory hit) to 10 s (a PUT waiting
+for memory, ``--memory-wait``)."""
+
+TIER_GAUGES = frozenset(
+    {"objects", "bytes", "capacity", "queue_depth", "queue_bytes", "queue_limit", "reserved_bytes",
+     "idle_pool_bytes", "inflight_bytes"}
+)  # fmt: skip
+"""Per-tier fields that go up and down; every other numeric field of a tier is a counter, and
+a true/false field (``healthy``) a 0/1 gauge."""
+
+_TIER_GAUGE_NAMES = {"capacity": "capacity_bytes", "queue_limit": "queue_limit_bytes"}  # base units
+SNAPSHOT_TIMEOUT_S = 5.0
+"""How long a scrape waits for the event loop to take the snapshot (it is busy, not stuck)."""
+
+
+class LatencyRecorder:
+    """Per-command histograms as plain int lists, bumped on the event loop only."""
+
+    def __init__(self, bounds: tuple[float, ...] = LATENCY_BOUNDS) -> None:
+        self.bounds = bounds
+        self.counts: dict[int, list[int]] = {}
+        self.sums: dict[int, float] = {}
+
+    def record(self, command: int, seconds: float) -> None:
+        counts = self.counts.get(command)
+        if counts is None:
+            counts = self.counts[command] = [0] * (len(self.bounds) + 1)
+            self.sums[command] = 0.0
+        counts[bisect.bisect_left(self.bounds, seconds)] += 1  # bucket "le=b" includes b
+        self.sums[command] += seconds
+
+    def copy(self) -> tuple[dict[int, list[int]], dict[int, float]]:
+        return {c: list(v) for c, v in self.counts.items()}, dict(self.sums)
+
+
+def snapshot(state: ServerState) -> dict[str, Any]:
+    """Everything a scrape reports, taken at one instant on the event loop."""
+    doc = server_stats(state)
+    doc["by_command"] = state.requests_by_command()
+    doc["latency"] = state.latency.copy() if state.latency is not None else ({}, {})
+    doc["settings"] = {
+        f.name: value
+        for f in dataclasses.fields(state.config)
+        if isinstance(value := getattr(state.config, f.name), int | float) and not isinstance(value, bool)
+    }
+    return doc
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _command_name(number: int) -> str:
+    return Command(number).name.lower()
+
+
+def _numbers(fields: dict[str, Any]) -> Iterator[tuple[str, int | float]]:
+    for name, value in fields.items():
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            yield name, value
+
+
+def _flags(fields: dict[str, Any]) -> Iterator[tuple[str, int]]:
+    for name, value in fields.items():
+        if isinstance(value, bool):
+            yield name, int(value)
+
+
+class ServerCollector(Collector):
+    """Builds every lmserver metric family from one snapshot."""
+
+    def __init__(self, state: ServerState, loop: asyncio.AbstractEventLoop) -> None:
+        self.state = state
+        self.loop = loop
+
+    def _snapshot(self) -> dict[str, Any]:
+        if _running_loop() is self.loop:
+            return snapshot(self.state)  # called on the loop itself (tests)
+
+        async def take() -> dict[str, Any]:
+            return snapshot(self.state)
+
+        return asyncio.run_coroutine_threadsafe(take(), self.loop).result(SNAPSHOT_TIMEOUT_S)
+
+    def collect(self) -> Iterable[Metric]:
+        doc = self._snapshot()
+        yield from _info(doc)
+        yield from _requests(doc)
+        yield from _connections(doc)
+        yield from _tiers(doc["tiers"])
+        yield from _store(doc["store"])
+        yield from _events(doc["counters"])
+        yield from _settings(doc["settings"])
+        yield from _latency(doc)
+
+
+def _info(doc: dict[str, Any]) -> Iterator[Metric]:
+    info = InfoMetricFamily("lmserver_build", "lmserver version.")
+    info.add_metric([], {"version": doc["version"]})
+    yield info
+    yield GaugeMetricFamily("lmserver_uptime_seconds", "Seconds since the server started.", doc["uptime_s"])
+
+
+def _requests(doc: dict[str, Any]) -> Iterator[Metric]:
+    counters: dict[str, int] = doc["counters"]
+    by_command: list[int] = doc["by_command"]
+    requests = CounterMetricFamily(
+        "lmserver_requests",
+        "Requests by command and outcome: hit/miss (GET, EXIST), refused (answered with an error "
+        "or dropped unread), ok (served or stored), other (GETs still in flight or failed).",
+        labels=["command", "outcome"],
+    )
+    for command in Command:
+        total = by_command[command] if command < len(by_command) else 0
+        refused = counters.get(f"command_{int(command)}_refused", 0)
+        name = _command_name(command)
+        if command == Command.GET:
+            hits, misses = counters.get("gets_served", 0), counters.get("gets_missed", 0)
+            outcomes = {"hit": hits, "miss": misses, "refused": refused}
+            outcomes["other"] = max(0, total - hits - misses - refused)
+        elif command == Command.EXIST:
+            hits = by_command[0] if by_command else 0
+            outcomes = {"hit": hits, "miss": total - hits - refused, "refused": refused}
+        else:
+            outcomes = {"ok": total - refused, "refused": refused}
+        for outcome, value in outcomes.items():
+            requests.add_metric([name, outcome], value)
+    yield requests
+    yield CounterMetricFamily(
+        "lmserver_bad_requests",
+        "Requests that could not be served as sent (unknown command, empty or invalid key).",
+        counters.get("bad_requests", 0),
+    )
+    body_bytes = CounterMetricFamily(
+        "lmserver_object_bytes", "Object bytes stored by PUTs and sent by GET hits.", labels=["command"]
+    )
+    body_bytes.add_metric(["put"], counters.get("put_bytes", 0))
+    body_bytes.add_metric(["get"], counters.get("get_bytes", 0))
+    yield body_bytes
+    yield CounterMetricFamily(
+        "lmserver_received_bytes", "Bytes received from clients.", counters.get("bytes_received", 0)
+    )
+    waits = CounterMetricFamily(
+        "lmserver_put_admission_waits",
+        "PUTs that waited before being received, by what they waited for (memory held by "
+        "objects in use); a PUT still refused after --memory-wait is a no_space refusal.",
+        labels=["reason"],
+    )
+    for key, value in counters.items():
+        if key.startswith("put_waits_"):
+            waits.add_metric([key.removeprefix("put_waits_")], value)
+    if not any(key.startswith("put_waits_") for key in counters):
+        waits.add_metric(["memory"], 0)
+    yield waits
+    refusals = CounterMetricFamily(
+        "lmserver_refusals", "Requests refused, by reason (every command).", labels=["reason"]
+    )
+    for key, value in counters.items():
+        if key.startswith("refused_"):
+            refusals.add_metric([key.removeprefix("refused_")], value)
+    refusals.add_metric(["other"], counters.get("refused", 0))
+    yield refusals
+
+
+def _connections(doc: dict[str, Any]) -> Iterator[Metric]:
+    connections = doc["connections"]
+    counters: dict[str, int] = doc["counters"]
+    yield GaugeMetricFamily("lmserver_connections", "Connections open now.", connections["current"])
+    yield CounterMetricFamily("lmserver_connections_accepted", "Connections accepted.", connections["total"])
+    refused = CounterMetricFamily(
+        "lmserver_connections_refused", "Connections closed at accept, by reason.", labels=["reason"]
+    )
+    by_reason = {
+        key.removeprefix("connections_refused_"): value
+        for key, value in counters.items()
+        if key.startswith("connections_refused_")
+    }
+    for reason, value in sorted(by_reason.items()):
+        refused.add_metric([reason], value)
+    # Refusals counted without a reason counter of their own (max connections, shutdown).
+    refused.add_metric(["other"], max(0, connections["refused"] - sum(by_reason.values())))
+    yield refused
+
+
+def _tier_rows(tiers: Any) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``[{"name": ..., **fields}]`` (STATS) or ``{name: fields}``."""
+    if isinstance(tiers, dict):
+        yield from tiers.items()
+    else:
+        for row in tiers:
+            yield str(row["name"]), row
+
+
+def _tiers(tiers: Any) -> Iterator[Metric]:
+    families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+    for tier, fields in _tier_rows(tiers):
+        for field, value in (*_numbers(fields), *_flags(fields)):
+            family = families.get(field)
+            if family is None:
+                if field in TIER_GAUGES or isinstance(fields[field], bool):
+                    name = f"lmserver_tier_{_TIER_GAUGE_NAMES.get(field, field)}"
+                    family = GaugeMetricFamily(name, f"Tier {field} now.", labels=["tier"])
+                else:
+                    family = CounterMetricFamily(f"lmserver_tier_{field}", f"Tier {field}.", labels=["tier"])
+                families[field] = family
+            family.add_metric([tier], value)
+    yield from families.values()
+
+
+def _store(store: dict[str, Any]) -> Iterator[Metric]:
+    """The store's own counters (``lmserver_store_<name>_total``) and its groups of gauges
+    (``"chain": {"pinned_bytes": ...}`` becomes ``lmserver_chain_pinned_bytes``)."""
+    for field, value in _numbers(store):
+        yield CounterMetricFamily(f"lmserver_store_{field}", f"Store {field}.", value)
+    for group, fields in store.items():
+        if isinstance(fields, dict) and group != "tiers":
+            for field, value in _numbers(fields):
+                yield GaugeMetricFamily(f"lmserver_{group}_{field}", f"{group} {field} now.", value)
+
+
+def _events(counters: dict[str, int]) -> Iterator[Metric]:
+    events = CounterMetricFamily(
+        "lmserver_events",
+        "Every server counter by its STATS name (the named metrics above are derived from these).",
+        labels=["event"],
+    )
+    for key, value in sorted(counters.items()):
+        events.add_metric([key], value)
+    yield events
+
+
+def _settings(settings: dict[str, int | float]) -> Iterator[Metric]:
+    family = GaugeMetricFamily(
+        "lmserver_config", "Numeric settings (limits, timeouts) the server runs with.", labels=["option"]
+    )
+    for name, value in sorted(settings.items()):
+        family.add_metric([name], value)
+    yield family
+
+
+def _latency(doc: dict[str, Any]) -> Iterator[Metric]:
+    counts, sums = doc["latency"]
+    by_command: list[int] = doc["by_command"]
+    family = HistogramMetricFamily(
+        "lmserver_request_duration_seconds",
+        "Server time from a request's header to its reply (or, for PUT, to the object being stored). "
+        "Requests answered inline from memory are counted in the lowest bucket.",
+        labels=["command"],
+    )
+    for command in Command:
+        timed = counts.get(int(command), [0] * (len(LATENCY_BOUNDS) + 1))
+        total = by_command[command] if command < len(by_command) else 0
+        inline = max(0, total - sum(timed))
+        cumulative, buckets = 0, []
+        for i, bound in enumerate((*LATENCY_BOUNDS, float("inf"))):
+            cumulative += timed[i] + (inline if i == 0 else 0)
+            buckets.append((_bound_label(bound), cumulative))
+        family.add_metric([_command_name(command)], buckets, sums.get(int(command), 0.0))
+    yield family
+
+
+def _bound_label(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(bound)
+
+
+class MetricsServer:
+    """``/metrics`` over HTTP on its own thread (prometheus_client's server)."""
+
+    def __init__(self, state: ServerState, loop: asyncio.AbstractEventLoop) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(ServerCollector(state, loop))
+        ProcessCollector(registry=self.registry)  # CPU, RSS, open fds of the server process
+        self._httpd: Any = None
+        self.host = ""
+        self.port = 0
+
+    def start(self, host: str, port: int) -> None:
+        self._httpd, _ = start_http_server(port, addr=host, registry=self.registry)
+        self.host, self.port = self._httpd.server_address[:2]
+
+    def stop(self) -> None:
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
+
+
+def enable_latency(state: ServerState) -> None:
+    state.latency = LatencyRecorder()
+
+
+__all__ = ["LATENCY_BOUNDS", "TIER_GAUGES", "LatencyRecorder", "MetricsServer", "ServerCollector"]

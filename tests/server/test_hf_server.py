@@ -1,0 +1,93 @@
+"""The HF Buckets tier in real servers on loopback: two lmserver instances on one bucket
+(through the fake Hub), one serves what the other wrote; STATS reports the tier's health."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("huggingface_hub")
+
+from fakehub import TOKEN, FakeHub
+from fakehub.fixtures import BUCKET, skip_backoff_sleeps
+from wire import Wire
+
+from lmproto import Command, Generation, ObjectMeta, decode_json
+
+MiB = 1024 * 1024
+META = ObjectMeta(1, 2, (3, 4, 5, 6), 7)
+
+
+@pytest.fixture
+def fake_hub(tmp_path: Path) -> Iterator[FakeHub]:
+    hub = FakeHub(tmp_path / "hub").start()
+    hub.create(BUCKET)
+    yield hub
+    hub.stop()
+
+
+def hf_stats(w: Wire) -> dict:
+    reply, body = w.call(Command.STATS)
+    assert reply.status == 200
+    return next(t for t in decode_json(body)["tiers"] if t["name"] == "hf")
+
+
+def wait_for(check, what: str, deadline_s: float = 30.0) -> None:
+    end = time.monotonic() + deadline_s
+    while not check():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_two_servers_share_one_bucket(fake_hub: FakeHub, make_server_thread, monkeypatch) -> None:
+    # (fake_hub first: it is set up first and torn down last, after the servers)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    spec = f"hf://buckets/{BUCKET}/srv?endpoint={fake_hub.endpoint}&mode=write-behind&refresh=0.2&window=0.01"
+    writer = make_server_thread(memory_limit=64 * MiB, tiers=(spec,))
+    reader = make_server_thread(memory_limit=64 * MiB, tiers=(spec,))
+    value = bytes(range(256)) * 4096  # 1 MiB
+    with (
+        Wire(writer.host, writer.port, Generation.V1) as w,
+        Wire(reader.host, reader.port, Generation.V1) as r,
+    ):
+        w.put("shared-key", value, META)
+        wait_for(lambda: hf_stats(w)["objects"] == 1, "the write-behind to the bucket")
+        stats = hf_stats(w)
+        assert stats["is_healthy"] is True and stats["pending"] == 0 and stats["failures"] == 0
+        assert stats["bytes"] == sum(f.size for f in fake_hub.files(BUCKET).values())
+        assert stats["capacity"] == 0 and stats["complete_index"] is False
+
+        def reader_sees() -> bool:
+            reply, _ = r.call(Command.EXIST, "shared-key")
+            return reply.status == 200
+
+        wait_for(reader_sees, "the reader's refresh")
+        reply, body = r.call(Command.GET, "shared-key")
+        assert reply.status == 200 and body == value
+        assert hf_stats(r)["hits"] == 1
+
+
+def test_the_hub_going_away_leaves_the_server_serving(
+    fake_hub: FakeHub, make_server_thread, monkeypatch
+) -> None:
+    skip_backoff_sleeps(monkeypatch)  # huggingface_hub's retries would take ~23 s per call
+    spec = (
+        f"hf://buckets/{BUCKET}/srv?endpoint={fake_hub.endpoint}&token={TOKEN}"
+        "&mode=write-behind&refresh=0.2&window=0.01"
+    )
+    server = make_server_thread(memory_limit=64 * MiB, tiers=(spec,))
+    with Wire(server.host, server.port, Generation.V1) as w:
+        fake_hub.stop()
+        for i in range(5):
+            w.send(Command.PUT, f"k{i}", b"v" * 1000, META)  # fire and forget
+        wait_for(lambda: hf_stats(w)["is_healthy"] is False, "unhealthy in STATS")
+        for i in range(5):  # memory still serves everything
+            reply, body = w.call(Command.GET, f"k{i}")
+            assert reply.status == 200 and body == b"v" * 1000
+        stats = hf_stats(w)
+        assert stats["failures"] >= 1 and stats["objects"] == 0
+        fake_hub.start()
+        wait_for(lambda: hf_stats(w)["is_healthy"] is True, "healthy again")
