@@ -705,7 +705,7 @@ class DiskTier(Tier):
                 # A put of the same key may have renamed a new file over it meanwhile.
                 if key in self._entries:
                     continue
-                victim = self._set_aside(key, entry) if hold and self._may_hold(entry.size) else None
+                victim = self._set_aside(key, entry) if hold else None
                 if victim is None and self.on_evict is not None:
                     self._count("demotions_dropped")
                 if victim is None:
@@ -719,24 +719,24 @@ class DiskTier(Tier):
         for victim in handed:
             self.hand_off(victim)
 
-    def _may_hold(self, size: int) -> bool:
-        """Whether an evicted file may wait for its demotion: a taker exists and what is
-        already held stays within HELD_SHARE of the capacity (else it is dropped at once)."""
-        return self.on_evict is not None and self._held + size <= self.effective_capacity // HELD_SHARE
-
     def _set_aside(self, key: str, entry: _Entry) -> _DiskVictim | None:
         """Move an evicted file out of its key's path (a new version may be written there)
-        and keep it, counted as held, until the Store has demoted it."""
+        and keep it, counted as held, until the Store has demoted it. Only while a taker
+        exists and what is held stays within HELD_SHARE of the capacity: the check and the
+        booking happen under one lock, so concurrent puts cannot overshoot the share."""
+        with self._mu:
+            if self.on_evict is None or self._held + entry.size > self.effective_capacity // HELD_SHARE:
+                return None
+            self._held += entry.size
         held = os.path.join(self._evicted, uuid.uuid4().hex)
         try:
             os.rename(self._path_of(entry.name), held)
-        except FileNotFoundError:
-            return None
         except OSError as exc:
-            self._warn("disk tier: could not set an evicted file aside", error=str(exc))
+            with self._mu:
+                self._held -= entry.size
+            if not isinstance(exc, FileNotFoundError):
+                self._warn("disk tier: could not set an evicted file aside", error=str(exc))
             return None
-        with self._mu:
-            self._held += entry.size
         return _DiskVictim(self, key, entry, held)
 
     def _victim_released(self, size: int) -> None:
