@@ -136,6 +136,17 @@ def encode_header(key_bytes: bytes, body_len: int, body_crc: int, meta: ObjectMe
     return head + _CRC.pack(checksum(head))
 
 
+def prepare(key: str, data: memoryview, meta: ObjectMeta) -> tuple[memoryview, bytes, int]:
+    """The body as a flat byte view, the key's UTF-8 and the header length. Raises ValueError
+    (UnicodeEncodeError included) for a key or metadata the format cannot hold, so a tier
+    can decline an object before it evicts anything for it."""
+    data = memoryview(data)
+    if data.format != "B" or data.ndim != 1:
+        data = data.cast("B")
+    key_bytes = key.encode("utf-8")
+    return data, key_bytes, len(encode_header(key_bytes, len(data), 0, meta, 0))
+
+
 def decode_header(buf: bytes | bytearray | memoryview) -> Header:
     """Parse a header from the start of ``buf`` (which may hold more). Raises CorruptFile."""
     if len(buf) < HEADER_OVERHEAD:

@@ -332,13 +332,9 @@ class NixlTier(Tier):
     async def put(self, key: str, data: memoryview, meta: ObjectMeta) -> bool:
         if self._closed or not self._lanes:
             return False
-        data = memoryview(data)
-        if data.format != "B" or data.ndim != 1:
-            data = data.cast("B")
         try:
-            key_bytes = key.encode("utf-8")
-            header_len = len(_diskfile.encode_header(key_bytes, len(data), 0, meta, 0))
-        except (UnicodeEncodeError, ValueError):
+            data, key_bytes, header_len = _diskfile.prepare(key, data, meta)
+        except ValueError:
             self._count("declined_invalid")
             return False
         total = header_len + len(data)
