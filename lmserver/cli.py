@@ -19,7 +19,7 @@ import click
 
 from lmproto import REPLY_SIZE, Command, Generation, Status, decode_json, decode_reply, encode_request
 
-from . import __version__
+from . import __version__, hardexit
 from .config import DEFAULT_DISK_LIMIT, DEFAULT_MAX_OBJECT_SIZE, DEFAULT_PORT, ServerConfig
 from .configfile import use_config_file
 from .sizes import format_size, parse_size
@@ -339,7 +339,9 @@ def serve(positional: tuple[str, ...], **options: Any) -> None:
         config = ServerConfig(**options)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    sys.exit(run(config))
+    status = run(config)
+    hardexit.set_exit_code(status)  # honoured if a native library forces a hard exit
+    sys.exit(status)
 
 
 @main.command()

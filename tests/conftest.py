@@ -21,11 +21,25 @@ from typing import Any
 
 import pytest
 
+from lmserver import hardexit
 from lmserver.logs import configure_logging
 from lmserver.server import ServerThread, raise_fd_limit
 
 raise_fd_limit()
 configure_logging("warning", "json")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    # A NIXL test that cancels a transfer makes the process end by a hard exit
+    # (lmserver.hardexit): it must still report the suite's outcome.
+    hardexit.set_exit_code(int(exitstatus))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    # Whatever else hangs interpreter exit (a native library's exit handler, a thread that is
+    # joined at exit) fails the run after two minutes instead of stalling CI until its limit.
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.alarm(120)
 
 
 def _config(**overrides: Any) -> Any:

@@ -71,3 +71,24 @@ def test_two_servers_share_one_bucket(spawn_server, s3: S3Server) -> None:
         assert reply.status == 200
         assert wb.get("shared") == value("shared", 300 * KiB)
         assert nixl_stats(wb)["hits"] == 1
+
+
+def test_a_server_whose_s3_transfer_hung_still_exits(spawn_server, tmp_path: Path) -> None:
+    """A transfer cancelled by its timeout leaves its NIXL agent alive on purpose; NIXL's
+    OBJ plugin would then wait forever at process exit (lmserver.hardexit)."""
+    import socket
+
+    with socket.socket() as blackhole:  # accepts connections, never answers
+        blackhole.bind(("127.0.0.1", 0))
+        blackhole.listen(64)
+        endpoint = f"http://127.0.0.1:{blackhole.getsockname()[1]}"
+        spec = (
+            f"nixl:s3://never-answers/kv?endpoint={endpoint}&access_key=test&secret_key=test"
+            "&timeout=1&capacity=1MiB&mode=write-behind"
+        )
+        proc = spawn_server("--tier", spec)
+        with Wire(proc.host, proc.port) as w:
+            w.send(Command.PUT, "k", value("k", 10 * KiB), META)  # written behind: times out
+            assert wait_for(w, "timeouts", 1)["healthy"] is False
+            assert w.get("k") == value("k", 10 * KiB)  # memory still serves it
+        assert proc.terminate(timeout=60) == 0

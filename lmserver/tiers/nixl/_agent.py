@@ -24,6 +24,7 @@ import time
 from types import ModuleType
 from typing import Any
 
+from ... import hardexit
 from ..base import ConfigError, TierError
 
 _APIS = ("nixl_cu12._api", "nixl_cu13._api")
@@ -151,7 +152,10 @@ class Agent:
             # against an endpoint that never answers, the whole process frozen). Leak it
             # instead, past interpreter exit too (the OS reclaims it with the process),
             # with its lane's staging buffer, which the request may still be using.
+            # NIXL's OBJ plugin would then wait forever at process exit for this agent's
+            # S3 client (its C atexit handler): have the process skip native cleanup.
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(agent))
+            hardexit.require("a NIXL agent with a cancelled transfer is still alive")
 
     @staticmethod
     def _call(fn: Any, *args: Any) -> Any:

@@ -53,11 +53,19 @@ class Guard:
     """Who may touch the caller's buffer: the lane thread, until the caller gives up."""
 
     _QUEUED, _TOUCHING, _FREE, _ABANDONED = range(4)
-    __slots__ = ("_lock", "_state")
+    __slots__ = ("_lock", "_reported", "_state")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._state = self._QUEUED
+        self._reported = False
+
+    def report_failure(self) -> bool:
+        """Either side: True once per operation. A timed-out transfer fails on both sides
+        (the caller's deadline and the lane's), and one operation counts one failure."""
+        with self._lock:
+            first, self._reported = not self._reported, True
+            return first
 
     def enter(self) -> bool:
         """Lane thread: about to touch the caller's buffer. False: the caller left."""

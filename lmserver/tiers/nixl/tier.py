@@ -348,7 +348,8 @@ class NixlTier(Tier):
                 guard, lambda lane: self._put_sync(lane, guard, key, key_bytes, data, meta)
             )
         except OpTimeout:
-            self._failed("timeouts", "nixl tier: a write timed out", key=key)
+            if guard.report_failure():
+                self._failed("timeouts", "nixl tier: a write timed out", key=key)
         except LaneBusy:
             self._count("declined_busy")
         except TierClosed:
@@ -371,7 +372,8 @@ class NixlTier(Tier):
         try:
             ok = await self._bounded(guard, lambda lane: self._get_sync(lane, guard, key, rec, buf))
         except OpTimeout:
-            self._failed("timeouts", "nixl tier: a read timed out; served as a miss", key=key)
+            if guard.report_failure():
+                self._failed("timeouts", "nixl tier: a read timed out; served as a miss", key=key)
             ok = False
         except LaneBusy:
             self._count("declined_busy")
@@ -479,7 +481,8 @@ class NixlTier(Tier):
             self._store.write(lane, loc, hl + len(data), deadline)
         except (TierError, OSError) as exc:
             kind = "timeouts" if isinstance(exc, TransferTimeout) else "errors"
-            self._failed(kind, "nixl tier write failed; object not stored", key=key, error=str(exc))
+            if guard.report_failure():
+                self._failed(kind, "nixl tier write failed; object not stored", key=key, error=str(exc))
             return None
         return _Rec(loc, size, hl, len(data), crc, meta, written_ns, time.monotonic())
 
@@ -509,7 +512,8 @@ class NixlTier(Tier):
             return "corrupt"
         except (TierError, OSError) as exc:
             kind = "timeouts" if isinstance(exc, TransferTimeout) else "errors"
-            self._failed(kind, "nixl tier read failed; served as a miss", key=key, error=str(exc))
+            if guard is None or guard.report_failure():
+                self._failed(kind, "nixl tier read failed; served as a miss", key=key, error=str(exc))
             return "error"
         try:
             h = _diskfile.decode_header(lane.view[: rec.header_len])
