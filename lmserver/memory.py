@@ -27,7 +27,7 @@ from sortedcontainers import SortedSet
 
 from lmproto import NO_META, ObjectMeta
 
-from .pool import Buffer, BufferPool, size_class
+from .pool import Buffer, BufferPool, populate, size_class
 from .tiers.base import Victim
 
 
@@ -139,6 +139,7 @@ class MemoryTier:
         more = min(charged, len(entry.buffer)) - entry.charged
         while more > 0:
             if self.pool.charge(more):
+                populate(entry.buffer, entry.charged, entry.charged + more)  # not written yet
                 entry.charged += more
                 return True
             if not self._evict_one():

@@ -21,12 +21,26 @@ A fresh buffer may be *charged* partially (``acquire_partial``) and grow its cha
 is filled (``charge``): a PUT whose body has not arrived then holds only what it has
 received, not what its header announced. A partially charged buffer is never reused (its
 pages are counted as untouched); it is dropped on release.
+
+Fresh pages are *populated* as they are charged (``populate``), before the socket writes
+into them: one ``mmap(MAP_FIXED | MAP_POPULATE)`` over the charged range instead of a page
+fault per 4 KiB. Measured here, writing 4 MiB into fresh memory: 0.75 GB/s faulting page by
+page, 1.4 GB/s populated (``madvise(MADV_POPULATE_WRITE)`` gained nothing; transparent huge
+pages are not available on this VM). Only bytes already charged are populated, so RSS still
+follows what a body has sent.
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
+import sys
 import threading
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger("lmserver.pool")
 
 _MIN_CLASS = 4096
 
@@ -110,8 +124,11 @@ class BufferPool:
             self._idle_low = min(self._idle_low, self._idle)
             self._in_use += charge
             self.fresh_allocations += 1
-        # Outside the lock: mapping is cheap, but page faults come later, as it is written.
-        return mmap.mmap(-1, cls), charge
+        # Outside the lock: mapping is cheap; the charged part is populated now, the rest as
+        # the charge grows.
+        buf = mmap.mmap(-1, cls)
+        populate(buf, 0, charge)
+        return buf, charge
 
     def charge(self, nbytes: int) -> bool:
         """Count ``nbytes`` more of a partially charged buffer; False when the budget is spent
@@ -164,3 +181,40 @@ class BufferPool:
                 self._idle -= cls
             if not free:
                 del self._free[cls]
+
+
+_PAGE = mmap.PAGESIZE
+_FIXED_POPULATE = (
+    mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x10 | getattr(mmap, "MAP_POPULATE", 0)
+)  # 0x10: MAP_FIXED
+_mmap_fn: Any = None  # libc mmap, where MAP_FIXED | MAP_POPULATE is available
+if sys.platform == "linux" and hasattr(mmap, "MAP_POPULATE"):
+    _mmap_fn = ctypes.CDLL(None, use_errno=True).mmap
+    _mmap_fn.restype = ctypes.c_void_p
+    _mmap_fn.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+
+
+def populate(buf: Buffer, start: int, end: int) -> None:
+    """Fault in the whole pages of ``buf[start:end]`` at once (a speed-up only).
+
+    The caller guarantees nothing was written there yet: the range is replaced by fresh
+    zero pages. Partial pages at either end are left to fault on their own."""
+    global _mmap_fn
+    first = -(-start // _PAGE) * _PAGE
+    last = min(end, len(buf)) // _PAGE * _PAGE
+    if _mmap_fn is None or last <= first:
+        return
+    anchor = ctypes.c_char.from_buffer(buf)  # an export of the buffer, for its address only
+    addr = ctypes.addressof(anchor) + first
+    del anchor
+    got = _mmap_fn(addr, last - first, mmap.PROT_READ | mmap.PROT_WRITE, _FIXED_POPULATE, -1, 0)
+    if got != addr:  # the mapping is unchanged when MAP_FIXED fails: fall back to faults
+        _mmap_fn = None
+        log.warning("populating buffers failed; pages fault in one by one", errno=ctypes.get_errno())

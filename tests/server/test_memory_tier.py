@@ -132,3 +132,26 @@ def test_concurrent_threads_keep_the_accounting_exact() -> None:
         t.join()
     assert tier.pool.in_use == tier.objects * 4096 <= tier.capacity
     assert tier.bytes == tier.objects * 3000
+
+
+def test_populate_replaces_only_whole_pages_of_the_range() -> None:
+    """populate (MAP_FIXED | MAP_POPULATE) must never touch bytes outside the range it is
+    given, whatever their alignment: a PUT's body may already sit just below it."""
+    import mmap
+
+    from lmserver.pool import populate
+
+    page = mmap.PAGESIZE
+    buf = mmap.mmap(-1, 8 * page)
+    buf[:] = b"\xab" * len(buf)
+    start, end = page + 100, 5 * page + 7  # unaligned at both ends
+    populate(buf, start, end)
+    # The whole pages inside may have been replaced by zero pages; nothing else changed.
+    assert buf[: 2 * page] == b"\xab" * (2 * page)
+    assert buf[5 * page :] == b"\xab" * (3 * page)
+    assert set(buf[2 * page : 5 * page]) <= {0, 0xAB}
+    buf[2 * page : 5 * page] = b"\x01" * (3 * page)  # still writable
+    assert buf[2 * page : 5 * page] == b"\x01" * (3 * page)
+    populate(buf, 0, 0)  # empty and out-of-range requests are no-ops
+    populate(buf, 7 * page, 100 * page)
+    assert buf[:page] == b"\xab" * page
