@@ -152,3 +152,19 @@ def test_given_lm_url_v1(tmp_path: Path) -> None:
     finally:
         server.terminate()
         server.wait(15)
+
+
+def test_hotpath_reports_every_row() -> None:
+    """``python -m bench.hotpath`` drives the real protocol object and prints its table."""
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.hotpath", "--requests", "64"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "µs" not in line]
+    names = [row.split("|")[1].strip() for row in rows]
+    assert names.count("exist") == 2 and names.count("get copy") == 5 and names.count("get pin") == 5
+    assert all(float(row.split("|")[4]) > 0 for row in rows)

@@ -1,0 +1,114 @@
+"""Per-request Python cost of the connection's hot path, in process: ``python -m bench.hotpath``.
+
+Strategy: one ``LMProtocol`` on a real Store, fed request frames through
+``get_buffer``/``buffer_updated`` as the event loop would, replies swallowed by a stand-in
+transport. No sockets, no event-loop wakeups: what is left is the Python work per request,
+the part that compiled code or fewer steps can shrink. It also measures where copying a
+small GET reply into one buffer stops beating pinning the object and writing two buffers
+(``SMALL_REPLY`` in lmserver/connection.py): the rows ``get copy`` and ``get pin``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from typing import Any
+
+from lmproto import Command, Generation, ObjectMeta, encode_request
+from lmserver import connection
+from lmserver.config import ServerConfig
+from lmserver.connection import LMProtocol
+from lmserver.server import Server
+
+
+class _Transport:
+    """Accepts every write at once, as a socket with room would."""
+
+    __module__ = "uvloop.stand_in"  # treated like uvloop's transport (writes are not copied)
+
+    def __init__(self) -> None:
+        self.written = 0
+
+    def write(self, data: Any) -> None:
+        self.written += len(data)
+
+    def writelines(self, parts: Any) -> None:
+        for part in parts:
+            self.written += len(part)
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return ("127.0.0.1", 1) if name == "peername" else default
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def is_closing(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+
+def _feed(proto: LMProtocol, data: bytes) -> None:
+    view = proto.get_buffer(len(data))
+    view[: len(data)] = data
+    proto.buffer_updated(len(data))
+
+
+async def _measure(command: Command, size: int, depth: int, requests: int) -> float:
+    server = Server(ServerConfig(host="127.0.0.1", port=0, memory_limit=1 << 30))
+    await server.state.store.open()
+    proto = LMProtocol(server.state)
+    proto.connection_made(_Transport())  # type: ignore[arg-type]
+    meta = ObjectMeta(1, 2, (3, 4, 5, 6), 7)
+    put = encode_request(Command.PUT, "hot-key", size, generation=Generation.V1, meta=meta)
+    _feed(proto, put)
+    body = bytes(size)
+    for start in range(0, size, 32 * 1024):  # as a socket delivers it
+        _feed(proto, body[start : start + 32 * 1024])
+    batch = encode_request(command, "hot-key", generation=Generation.V1) * depth
+    rounds = max(1, requests // depth)
+    best = float("inf")
+    for _ in range(5):
+        began = time.perf_counter()
+        for _ in range(rounds):
+            _feed(proto, batch)
+        best = min(best, time.perf_counter() - began)
+    return best / (rounds * depth) * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=32000)
+    args = parser.parse_args()
+    rows: list[tuple[str, int, int, float]] = []
+    for depth in (1, 16):
+        rows.append(("exist", 0, depth, asyncio.run(_measure(Command.EXIST, 4096, depth, args.requests))))
+    default = connection.SMALL_REPLY
+    for size in (1024, 4096, 16 * 1024, 64 * 1024, 256 * 1024):
+        for mode, threshold in (("copy", 1 << 30), ("pin", -1)):
+            connection.SMALL_REPLY = threshold
+            us = asyncio.run(_measure(Command.GET, size, 1, args.requests // 4))
+            rows.append((f"get {mode}", size, 1, us))
+    connection.SMALL_REPLY = default
+    print("| request | object bytes | depth | µs per request |")
+    print("|---|---|---|---|")
+    for name, size, depth, us in rows:
+        print(f"| {name} | {size or '-'} | {depth} | {us:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
