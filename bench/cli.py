@@ -32,6 +32,7 @@ from .targets import (
     Target,
     disk_dir_usage,
     given_target,
+    prime_store,
     server_sample,
     start_lmserver,
     start_raw,
@@ -207,6 +208,37 @@ class Runner:
                     rec["disk_bytes"] = disk_dir_usage(disk_dir)
                 self.memory.append(rec)
 
+    def run_store(self, pool: ClientPool) -> None:
+        """The store limit: the raw peer writing each PUT into the next of many cold buffers."""
+        if "put" not in self.ops:
+            return
+        # As many distinct buffers as the servers get distinct keys (--key-budget per size).
+        store = start_raw("store", self.key_budget)
+        self.targets.append(store)
+        try:
+            if store.spec is None:
+                return
+            for size in self.sizes:
+                prime_store(store.spec.host, store.spec.port, size)  # builds its ring, untimed
+                for n in self.clients:
+                    for depth in (1, self.depth):
+                        eff = max(2, min(depth, PIPE_BYTES // size)) if depth > 1 else 1
+                        spec = CellSpec(
+                            target=store.spec,
+                            op="put",
+                            size=size,
+                            depth=eff,
+                            keys=self.keys_per_client(size, n),
+                            duration=self.duration,
+                            max_ops=self.max_ops,
+                            clients=n,
+                            preload=False,
+                            seed=len(self.cells),
+                        )
+                        self.run_cell(pool, store, spec, depth, "store")
+        finally:
+            store.stop()
+
     def run_streams(self, pool: ClientPool, size: int, rnd: str) -> None:
         """Measure the loopback limit again right before a target's block of one object size.
 
@@ -270,6 +302,7 @@ class Runner:
             self.targets.append(raw)
             if raw.spec is not None:
                 self.run_target(pool, raw)
+            self.run_store(pool)
             if disk_dir is not None:
                 budget = report.parse_size("4M" if args.smoke else "192M")
                 for size in self.sizes:

@@ -8,6 +8,11 @@ headers. Headers are parsed out of a 64 KiB staging buffer and the replies of on
 are sent together, so pipelined small requests are not penalised by a reply per syscall.
 One thread per connection with blocking sockets: the lowest-overhead Python server shape
 measured on this machine (see shared/reference/zerocopy.md).
+
+Started with ``ring_bytes`` (the *store limit*, target ``store``), PUT bodies go instead
+into a ring of pre-touched buffers of the object's size, ``ring_bytes`` of them in all per
+size, each PUT into the next: as a store must, it writes every object into memory that is
+cold in the CPU caches (a single reused buffer stays warm, which no store can match).
 """
 
 from __future__ import annotations
@@ -35,7 +40,26 @@ def _grow(buf: bytearray, n: int) -> bytearray:
     return new
 
 
-def _serve_conn(sock: socket.socket) -> None:
+class Ring:
+    """Per object size, buffers totalling ``ring_bytes`` (at least two), used in turn."""
+
+    def __init__(self, ring_bytes: int) -> None:
+        self.ring_bytes = ring_bytes
+        self._rings: dict[int, tuple[list[bytearray], list[int]]] = {}
+        self._lock = threading.Lock()
+
+    def next(self, size: int) -> bytearray:
+        with self._lock:
+            ring = self._rings.get(size)
+            if ring is None:
+                count = max(2, self.ring_bytes // max(1, size))
+                ring = self._rings[size] = ([_grow(bytearray(0), size) for _ in range(count)], [0])
+            bufs, turn = ring
+            turn[0] = (turn[0] + 1) % len(bufs)
+            return bufs[turn[0]]
+
+
+def _serve_conn(sock: socket.socket, ring: Ring | None = None) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     stage = bytearray(STAGING)
     smv = memoryview(stage)
@@ -62,7 +86,7 @@ def _serve_conn(sock: socket.socket) -> None:
                         sock.sendall(view)
                     continue
                 if length:
-                    body = _grow(body, length)
+                    body = ring.next(length) if ring is not None and cmd in (1, 101) else _grow(body, length)
                     bmv = memoryview(body)
                     take = min(w - r, length)
                     bmv[:take] = smv[r : r + take]
@@ -99,8 +123,12 @@ def _serve_conn(sock: socket.socket) -> None:
             sock.close()
 
 
-def serve(conn: Connection) -> None:
-    """Process entry point: bind 127.0.0.1 on a free port, report it, serve until told to stop."""
+def serve(conn: Connection, ring_bytes: int = 0) -> None:
+    """Process entry point: bind 127.0.0.1 on a free port, report it, serve until told to stop.
+
+    ``ring_bytes`` > 0: PUT bodies cycle through that many bytes of buffers (the store limit).
+    """
+    ring = Ring(ring_bytes) if ring_bytes else None
     lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     lsock.bind(("127.0.0.1", 0))
@@ -113,7 +141,7 @@ def serve(conn: Connection) -> None:
                 s, _ = lsock.accept()
             except OSError:
                 return
-            threading.Thread(target=_serve_conn, args=(s,), daemon=True).start()
+            threading.Thread(target=_serve_conn, args=(s, ring), daemon=True).start()
 
     threading.Thread(target=acceptor, daemon=True).start()
     with contextlib.suppress(EOFError, OSError):

@@ -102,6 +102,8 @@ def compute_ratios(cells: list[dict[str, Any]]) -> None:
     EXIST: requests/s over the raw peer's EXIST at the same depth and client count.
     ratio_raw_same: the raw peer running the identical op/depth/size/clients.
     ratio_redis: redis (redis-local, else any redis:// target) on the same cell.
+    ratio_store: PUT cells over the store limit (target ``store``: the raw peer writing each
+    object into the next of many cold buffers) on the same cell.
     Byte workloads compare GB/s (GET bytes count hits only), EXIST compares requests/s.
     """
     phys = {_key(c): c for c in cells if c["target"] == "phys" and c.get("round", "phys") == "phys"}
@@ -112,6 +114,7 @@ def compute_ratios(cells: list[dict[str, Any]]) -> None:
         if t.startswith("redis://") and t not in redis_targets
     ]
     redis = {_key(c): c for c in cells if redis_targets and c["target"] == redis_targets[0]}
+    store = {_key(c): c for c in cells if c["target"] == "store"}
     limit: dict[tuple[str, str, int, int], float] = {}
     for c in cells:
         if c["target"] == "phys" and c["op"] != "mixed" and c.get("gbps"):
@@ -138,6 +141,8 @@ def compute_ratios(cells: list[dict[str, Any]]) -> None:
         r = redis.get(_key(c))
         c["ratio_redis"] = _ratio(c[fig], r[fig] if r else None)
         c["redis_target"] = redis_targets[0] if r else None
+        s = store.get(_key(c)) if c["target"] not in ("phys", "store") else None
+        c["ratio_store"] = _ratio(c[fig], s[fig] if s else None)
 
 
 def _f(v: float | None, nd: int = 2) -> str:
@@ -192,6 +197,8 @@ def side_by_side(cells: list[dict[str, Any]]) -> str:
             ratios = []
             if t != "phys" and c.get("ratio_phys") is not None:
                 ratios.append(f"{c['ratio_phys']:.2f}xphys")
+            if c.get("ratio_store") is not None:
+                ratios.append(f"{c['ratio_store']:.2f}xstore")
             if c.get("ratio_redis") is not None and t != c.get("redis_target"):
                 ratios.append(f"{c['ratio_redis']:.2f}xredis")
             if c["op"] in ("get", "exist", "mixed") and c["ops"] and c["hits"] < 0.99 * c["ops"]:

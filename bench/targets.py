@@ -27,6 +27,8 @@ from urllib.parse import parse_qs, urlparse
 
 import psutil
 
+from lmproto import REPLY_SIZE, Command, Generation, encode_request
+
 from .drivers import RespDriver, TargetSpec, probe_put_ack
 
 REPO = Path(__file__).resolve().parent.parent
@@ -212,20 +214,35 @@ def start_redis_local(out: Path, startup: float = 10.0) -> Target:
     return Target("redis-local", spec, pid=proc.pid, managed=proc, extra={"version": ver, "log": str(log)})
 
 
-def start_raw() -> Target:
+def prime_store(host: str, port: int, size: int) -> None:
+    """One PUT_ACK of ``size`` bytes, so the store limit builds (and touches) its ring of
+    buffers for that size before any timed cell."""
+    with socket.create_connection((host, port), timeout=60) as sock:
+        sock.sendall(encode_request(Command.PUT_ACK, "prime", size))
+        sock.sendall(bytes(size))
+        reply = b""
+        while len(reply) < REPLY_SIZE[Generation.V0]:
+            chunk = sock.recv(REPLY_SIZE[Generation.V0] - len(reply))
+            if not chunk:
+                raise ConnectionError("store limit closed the connection")
+            reply += chunk
+
+
+def start_raw(name: str = "phys", ring_bytes: int = 0) -> Target:
+    """The raw peer; ``ring_bytes`` > 0 makes it the store limit (see rawserver)."""
     from .rawserver import serve
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=serve, args=(child,), name="bench-raw-server", daemon=True)
+    proc = ctx.Process(target=serve, args=(child, ring_bytes), name=f"bench-raw-{name}", daemon=True)
     proc.start()
     child.close()
     if not parent.poll(30):
         proc.kill()
-        return Target("phys", None, note="skipped: raw limit server did not start")
+        return Target(name, None, note="skipped: raw limit server did not start")
     port = parent.recv()
     spec = TargetSpec("raw", "127.0.0.1", port, 0, True)
-    return Target("phys", spec, pid=proc.pid, managed=proc, stop_conn=parent)
+    return Target(name, spec, pid=proc.pid, managed=proc, stop_conn=parent)
 
 
 def find_listener_pid(host: str, port: int) -> int | None:

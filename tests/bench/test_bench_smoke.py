@@ -83,10 +83,12 @@ def _check_target(doc: dict[str, Any], target: str, *, expect_hits: bool = True)
 
 
 def test_phys_only(tmp_path: Path) -> None:
-    """The physical-limit part needs no server at all."""
+    """The physical-limit part (and the store limit) needs no server at all."""
     doc = _run_bench(tmp_path / "out", "--targets", "none")
     names = [t["name"] for t in doc["targets"]]
-    assert names == ["phys"]
+    assert names == ["phys", "store"]
+    store = _cells(doc, "store")
+    assert store and {c["op"] for c in store} == {"put"} and all(c["gbps"] for c in store)
     phys = _cells(doc, "phys")
     assert {c["op"] for c in phys} >= {"stream_put", "stream_get", "put", "get", "exist", "mixed"}
     _check_target(doc, "phys")
@@ -113,6 +115,7 @@ def test_lmserver(tmp_path: Path) -> None:
         assert c["server_cpu_s"] is not None
         if "redis-local" in by_name and not by_name["redis-local"]["skipped"]:
             assert c["ratio_redis"] is not None
+        assert (c["ratio_store"] is not None) == (c["op"] == "put")  # PUTs against the store limit
     disk = by_name["lmserver+disk"]
     if disk["skipped"]:
         assert disk["note"].startswith("skipped:")
