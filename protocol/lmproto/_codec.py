@@ -28,6 +28,16 @@ from ._frames import NO_META, PLACEHOLDER_META, ObjectMeta, Reply, Request
 _KNOWN_COMMANDS = frozenset(int(c) for c in Command)
 _KEYLESS_COMMANDS = frozenset({Command.LIST, Command.HEALTH, Command.STATS, Command.EXIST_MANY})
 
+# decode_request is the per-request cost of a pipelined burst, so it avoids Python-level
+# NamedTuple construction: a v1 header's 28 metadata bytes are looked up in a bounded cache
+# of decoded ObjectMeta (a connection repeats a handful of shapes), and a valid Request is
+# built with tuple.__new__. Measured: 1.8 -> 1.0 us per v1 header here.
+_V1_REQUEST_SPLIT = struct.Struct("<ii28s150s")  # command, length, metadata bytes, key
+_V1_META = struct.Struct("<iiiiiii")  # fmt, dtype, location, shape[0..3]
+_META_CACHE: dict[bytes, ObjectMeta] = {}
+_META_CACHE_SIZE = 1024
+_new_tuple = tuple.__new__
+
 # ---------------------------------------------------------------------------------------
 # keys
 
@@ -114,8 +124,13 @@ def decode_request(buf: bytes | bytearray | memoryview, generation: Generation, 
         command, length, raw = V0_REQUEST.unpack_from(buf, offset)
         meta = NO_META
     else:
-        command, length, fmt, dtype, location, s0, s1, s2, s3, raw = V1_REQUEST.unpack_from(buf, offset)
-        meta = ObjectMeta(fmt, dtype, (s0, s1, s2, s3), location)
+        command, length, meta_bytes, raw = _V1_REQUEST_SPLIT.unpack_from(buf, offset)
+        meta = _META_CACHE.get(meta_bytes)  # type: ignore[assignment]
+        if meta is None:
+            fmt, dtype, location, s0, s1, s2, s3 = _V1_META.unpack(meta_bytes)
+            meta = ObjectMeta(fmt, dtype, (s0, s1, s2, s3), location)
+            if len(_META_CACHE) < _META_CACHE_SIZE:
+                _META_CACHE[meta_bytes] = meta
     if length < 0:
         raise RemoteProtocolError(f"negative body length {length} (command {command})")
     # Key: strip NUL padding, then whitespace on both ends as upstream's decoder does.
@@ -130,7 +145,7 @@ def decode_request(buf: bytes | bytearray | memoryview, generation: Generation, 
         return Request(command, length, key, meta, generation, f"unknown command {command}")
     if not key and command not in _KEYLESS_COMMANDS:
         return Request(command, length, key, meta, generation, "empty key")
-    return Request(command, length, key, meta, generation)
+    return _new_tuple(Request, (command, length, key, meta, generation, None))
 
 
 # ---------------------------------------------------------------------------------------
