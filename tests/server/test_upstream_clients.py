@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import socket
 import struct
+from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -65,47 +67,6 @@ def test_lmcache_v1_connector(sock: socket.socket) -> None:
     assert V1_REP.unpack(sock.recv(36)) == (400, 0, 1, 2, 0, 0, 0, 0, 0)
 
 
-class _RecordingSocket:
-    def __init__(self) -> None:
-        self.options: list[tuple[int, int, int]] = []
-
-    def setsockopt(self, level: int, option: int, value: int) -> None:
-        self.options.append((level, option, value))
-
-
-class _Transport:
-    """Enough of a transport for LMProtocol, with a socket that records its options."""
-
-    def __init__(self) -> None:
-        self.sock = _RecordingSocket()
-        self.written = b""
-
-    def get_extra_info(self, name: str, default: object = None) -> object:
-        return {"peername": ("127.0.0.1", 1), "socket": self.sock}.get(name, default)
-
-    def write(self, data: bytes) -> None:
-        self.written += bytes(data)
-
-    def writelines(self, parts: list[bytes]) -> None:
-        for part in parts:
-            self.write(part)
-
-    def get_write_buffer_size(self) -> int:
-        return 0
-
-    def set_write_buffer_limits(self, high: int = 0, low: int = 0) -> None:
-        pass
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-    def is_closing(self) -> bool:
-        return False
-
-
 @pytest.mark.skipif(not hasattr(socket, "TCP_QUICKACK"), reason="TCP_QUICKACK is Linux only")
 async def test_a_put_without_a_reply_is_acknowledged_at_once() -> None:
     """Upstream's v0 client writes a PUT's header and body separately with Nagle on: its
@@ -120,19 +81,23 @@ async def test_a_put_without_a_reply_is_acknowledged_at_once() -> None:
     server = Server(ServerConfig(host="127.0.0.1", port=0, memory_limit=1 << 26))
     await server.state.store.open()
     proto = LMProtocol(server.state)
-    transport = _Transport()
-    proto.connection_made(transport)  # type: ignore[arg-type]
-    quickack = (socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
+    sock = mock.Mock()  # records setsockopt
+    transport = mock.Mock()
+    transport.get_extra_info.side_effect = {"peername": ("127.0.0.1", 1), "socket": sock}.get
+    transport.get_write_buffer_size.return_value = 0
+    transport.is_closing.return_value = False
+    proto.connection_made(transport)
+    quickack = mock.call(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
 
-    def feed(data: bytes) -> list[tuple[int, int, int]]:
-        before = len(transport.sock.options)
+    def feed(data: bytes) -> list[Any]:
+        sock.setsockopt.reset_mock()
         view = proto.get_buffer(len(data))
         view[: len(data)] = data
         proto.buffer_updated(len(data))
-        return transport.sock.options[before:]
+        return list(sock.setsockopt.call_args_list)
 
     assert feed(encode_request(Command.PUT, "k", 100)) == [quickack]  # the body is still to come
     assert feed(b"x" * 100) == [quickack]  # stored; no reply will carry the ACK
     assert feed(encode_request(Command.GET, "k")) == []  # the reply carries it
-    assert transport.written.endswith(b"x" * 100)
+    assert transport.write.call_args.args[0].endswith(b"x" * 100)
     assert feed(encode_request(Command.PUT_ACK, "k2", 3) + b"abc") == []  # answered too
