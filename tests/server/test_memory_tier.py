@@ -139,19 +139,22 @@ def test_populate_replaces_only_whole_pages_of_the_range() -> None:
     given, whatever their alignment: a PUT's body may already sit just below it."""
     import mmap
 
-    from lmserver.pool import populate
+    from lmserver.pool import POPULATE_MIN, populate
 
     page = mmap.PAGESIZE
-    buf = mmap.mmap(-1, 8 * page)
+    n = POPULATE_MIN // page + 4
+    buf = mmap.mmap(-1, n * page)
     buf[:] = b"\xab" * len(buf)
-    start, end = page + 100, 5 * page + 7  # unaligned at both ends
+    start, end = page + 100, (n - 2) * page + 7  # unaligned at both ends; POPULATE_MIN inside
     populate(buf, start, end)
     # The whole pages inside may have been replaced by zero pages; nothing else changed.
     assert buf[: 2 * page] == b"\xab" * (2 * page)
-    assert buf[5 * page :] == b"\xab" * (3 * page)
-    assert set(buf[2 * page : 5 * page]) <= {0, 0xAB}
-    buf[2 * page : 5 * page] = b"\x01" * (3 * page)  # still writable
-    assert buf[2 * page : 5 * page] == b"\x01" * (3 * page)
-    populate(buf, 0, 0)  # empty and out-of-range requests are no-ops
-    populate(buf, 7 * page, 100 * page)
+    assert buf[(n - 2) * page :] == b"\xab" * (2 * page)
+    assert set(buf[2 * page : (n - 2) * page]) <= {0, 0xAB}
+    buf[2 * page : (n - 2) * page] = b"\x01" * ((n - 4) * page)  # still writable
+    assert buf[2 * page : (n - 2) * page] == b"\x01" * ((n - 4) * page)
+    populate(buf, 0, 0)  # empty, small and out-of-range requests are no-ops
+    populate(buf, 2 * page, 3 * page)  # under POPULATE_MIN: left to fault, content kept
+    populate(buf, (n - 1) * page, 100 * n * page)
+    assert buf[2 * page : 3 * page] == b"\x01" * page
     assert buf[:page] == b"\xab" * page
