@@ -45,6 +45,8 @@ class _Engine:
         from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
         from lmcache.v1.storage_backend.remote_backend import RemoteBackend
 
+        from lmclient.lmcache import plugin_settings
+
         tokens, hidden = 256, 512
         layers = max(1, chunk_bytes // (2 * tokens * hidden * 2))  # bfloat16 K and V
         self.shape = torch.Size([2, layers, tokens, hidden])
@@ -57,12 +59,7 @@ class _Engine:
             "blocking_timeout_secs": 120,
         }
         if via == "plugin":
-            settings["remote_storage_plugins"] = ["lmserver"]
-            settings["extra_config"] = {
-                "remote_storage_plugin.lmserver.module_path": "lmclient.lmcache",
-                "remote_storage_plugin.lmserver.class_name": "LMServerConnector",
-                "remote_storage_plugin.lmserver.url": url,
-            }
+            settings.update(plugin_settings(url))
         else:
             settings["remote_url"] = url
         config = LMCacheEngineConfig.from_defaults(**settings)

@@ -55,7 +55,7 @@ from ._exceptions import BufferTooSmall, InvalidRequest, LMClientError
 from ._ops import Op
 from ._wire import Received, writable_view
 
-__all__ = ["LMServerConnector"]
+__all__ = ["LMServerConnector", "plugin_settings"]
 
 T = TypeVar("T")
 Keys = list[CacheEngineKey]  # named out here: the class's list() method shadows the builtin
@@ -124,6 +124,22 @@ def _meta(obj: MemoryObj) -> ObjectMeta:
     shape = pad_shape_to_4d(obj.get_shape())
     fmt = obj.get_memory_format()
     return ObjectMeta(int(fmt.value), DTYPE_TO_INT[obj.get_dtype()], (shape[0], shape[1], shape[2], shape[3]))
+
+
+def plugin_settings(url: str, name: str = "lmserver", **options: Any) -> dict[str, Any]:
+    """The LMCache settings that load this plugin as ``name`` for ``url``, with ``options``
+    (see the module docstring) as ``remote_storage_plugin.<name>.<option>``: merge them into
+    ``LMCacheEngineConfig.from_defaults(...)`` or the YAML config."""
+    prefix = f"remote_storage_plugin.{name}."
+    return {
+        "remote_storage_plugins": [name],
+        "extra_config": {
+            prefix + "module_path": __name__,
+            prefix + "class_name": LMServerConnector.__name__,
+            prefix + "url": url,
+            **{prefix + key: value for key, value in options.items()},
+        },
+    }
 
 
 def _plugin_name(cls: type, config: Any) -> str | None:

@@ -29,6 +29,8 @@ from lmcache.v1.metadata import LMCacheMetadata
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 from lmcache.v1.storage_backend.remote_backend import RemoteBackend
 
+from lmclient.lmcache import plugin_settings
+
 CHUNK = 16  # tokens per chunk
 KV_SHAPE = (2, 2, CHUNK, 4, 32)  # layers, K/V, tokens, heads, head size: 16 KiB chunks in bf16
 DTYPE = torch.bfloat16
@@ -53,13 +55,7 @@ class Engine:
             "blocking_timeout_secs": 20,
         }
         if via == "plugin":
-            settings["remote_storage_plugins"] = ["lmserver"]
-            settings["extra_config"] = {
-                "remote_storage_plugin.lmserver.module_path": "lmclient.lmcache",
-                "remote_storage_plugin.lmserver.class_name": "LMServerConnector",
-                "remote_storage_plugin.lmserver.url": url,
-                **{f"remote_storage_plugin.lmserver.{k}": v for k, v in extra.items()},
-            }
+            settings.update(plugin_settings(url, **extra))
         else:
             settings["remote_url"] = url
         self.config = LMCacheEngineConfig.from_defaults(**settings)
