@@ -93,6 +93,10 @@ class Victim(abc.ABC):
 EvictHook = Callable[[Victim], None]
 
 
+COMMON_COUNTERS = ("hits", "misses", "puts", "deletes", "evictions", "corrupt", "missing")
+"""Counters every storing tier reports in ``usage().counters`` (each adds its own)."""
+
+
 class Tier(abc.ABC):
     """A storage tier behind the memory tier."""
 

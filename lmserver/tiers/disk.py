@@ -81,7 +81,7 @@ from lmproto import ObjectMeta
 
 from ..logs import ThrottledWarnings
 from . import _diskfile, _diskindex
-from .base import Alloc, ConfigError, Tier, TierError, TierUsage, Victim
+from .base import COMMON_COUNTERS, Alloc, ConfigError, Tier, TierError, TierUsage, Victim
 from .spec import Mode, TierSpec
 from .threaded import uncancellable
 
@@ -239,13 +239,7 @@ class DiskTier(Tier):
         self._space_checked = 0.0  # when the free space was last read (monotonic)
         self._counters = dict.fromkeys(
             (
-                "hits",
-                "misses",
-                "puts",
-                "deletes",
-                "evictions",
-                "corrupt",
-                "missing",
+                *COMMON_COUNTERS,
                 "write_errors",
                 "out_of_space",
                 "read_errors",

@@ -50,7 +50,7 @@ from lmproto import ObjectMeta
 
 from ...logs import ThrottledWarnings
 from .. import _diskfile
-from ..base import Alloc, ConfigError, Tier, TierError, TierUsage, Victim
+from ..base import COMMON_COUNTERS, Alloc, ConfigError, Tier, TierError, TierUsage, Victim
 from ..lru_index import LRUIndex
 from ..threaded import TierClosed, Workers
 from .batcher import Batcher
@@ -69,13 +69,7 @@ _PROGRESS_EVERY = 10_000
 _HEADERS_PER_ROUND = 256
 _MAX_BACKOFF_S = 60.0
 _COUNTERS = (
-    "hits",
-    "misses",
-    "puts",
-    "deletes",
-    "evictions",
-    "corrupt",
-    "missing",
+    *COMMON_COUNTERS,
     "read_errors",
     "write_failures",
     "dropped_unhealthy",

@@ -44,7 +44,7 @@ from lmproto import ObjectMeta
 
 from ...logs import ThrottledWarnings
 from .. import _diskfile
-from ..base import Alloc, Tier, TierError, TierUsage, Victim
+from ..base import COMMON_COUNTERS, Alloc, Tier, TierError, TierUsage, Victim
 from ..lru_index import LRUIndex
 from ..spec import TierSpec
 from ..threaded import TierClosed, Workers
@@ -60,13 +60,7 @@ _STRIPES = 64
 _META_THREADS = 4
 _WARN_INTERVAL_S = 10.0
 _COUNTERS = (
-    "hits",
-    "misses",
-    "puts",
-    "deletes",
-    "evictions",
-    "corrupt",
-    "missing",
+    *COMMON_COUNTERS,
     "timeouts",
     "errors",
     "declined_too_large",
