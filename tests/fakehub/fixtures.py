@@ -6,6 +6,7 @@ reads its configuration at import), so this module sets it on import.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import tempfile
 import time
@@ -56,6 +57,19 @@ def skip_backoff_sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     fake_time.sleep = slept.append
     monkeypatch.setattr(_http, "time", fake_time)
     return slept
+
+
+def bucket_bytes(hub: FakeHub) -> int:
+    """Bytes of every file the fake Hub holds in the test bucket."""
+    return sum(f.size for f in hub.files(BUCKET).values())
+
+
+async def eventually(check: Callable[[], bool], what: str, deadline_s: float = 30.0) -> None:
+    """Wait until ``check()`` holds; the deadline only detects a hang."""
+    end = time.monotonic() + deadline_s
+    while not check():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
 
 
 TierMaker = Callable[..., Awaitable[Any]]

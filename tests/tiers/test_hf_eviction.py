@@ -4,14 +4,13 @@ wait for readers, and configuration from a ``--tier`` spec."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
 pytest.importorskip("huggingface_hub")
 
 from fakehub import FakeHub
-from fakehub.fixtures import BUCKET, HANDLE
+from fakehub.fixtures import BUCKET, HANDLE, bucket_bytes, eventually
 
 from lmproto import ObjectMeta
 from lmserver.tiers import registry
@@ -23,17 +22,6 @@ from lmserver.tiers.spec import TierSpec
 META = ObjectMeta(1, 2, (3, 4, 5, 6), 0)
 OBJ = 10_000
 HEADER = 84 + 2  # keys "kN"
-
-
-def bucket_bytes(hub: FakeHub) -> int:
-    return sum(f.size for f in hub.files(BUCKET).values())
-
-
-async def eventually(check, what: str, deadline_s: float = 30.0) -> None:
-    end = time.monotonic() + deadline_s
-    while not check():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
 
 
 async def test_watermark_eviction_hands_victims_off(hub: FakeHub, make_tier) -> None:

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("huggingface_hub")
 
 from fakehub import FakeHub
-from fakehub.fixtures import BUCKET
+from fakehub.fixtures import BUCKET, bucket_bytes, eventually
 
 from lmproto import ObjectMeta
 from lmserver.tiers import _diskfile
@@ -34,17 +34,6 @@ async def read(tier, key: str) -> bytes | None:
 
     meta = await tier.get_into(key, alloc)
     return None if meta is None else bytes(got[-1])
-
-
-def bucket_bytes(hub: FakeHub) -> int:
-    return sum(f.size for f in hub.files(BUCKET).values())
-
-
-async def eventually(check, what: str, deadline_s: float = 30.0) -> None:
-    end = time.monotonic() + deadline_s
-    while not check():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
 
 
 async def put_all(tier, blobs: dict[str, bytes]) -> list[bool]:
