@@ -812,11 +812,9 @@ class LMProtocol(asyncio.BufferedProtocol):
         assert self.generation is not None
         meta: ObjectMeta = entry.meta
         header = encode_reply(Status.SUCCESS, entry.length, generation=self.generation, meta=meta)
-        if entry.length <= SMALL_REPLY and not self.held:
-            reply = header + entry.view  # one small copy instead of a pin held until sent
+        if entry.length <= SMALL_REPLY:
+            self._emit(header + entry.view)  # one small copy instead of a pin held until sent
             self.store.memory.unpin(entry)
-            self.replies.append(reply)
-            self.reply_bytes += len(reply)
         else:
             self._emit(header, entry.view, pin=entry)
         self.counters["gets_served"] += 1
