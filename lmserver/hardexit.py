@@ -37,11 +37,6 @@ def require(reason: str) -> None:
         _reasons.append(reason)
 
 
-def required() -> list[str]:
-    """Why a hard exit is needed (empty: a normal exit is safe)."""
-    return list(_reasons)
-
-
 def set_exit_code(code: int) -> None:
     """The status a hard exit reports (a normal exit reports its own)."""
     global _exit_code
