@@ -511,7 +511,7 @@ class LMProtocol(asyncio.BufferedProtocol):
         if req.problem is not None:
             self._refuse(req, Status.FAIL, req.problem, counter="bad_requests")
         elif command == Command.PUT or command == Command.PUT_ACK:
-            self.owe_ack = command == Command.PUT
+            self.owe_ack |= command == Command.PUT  # a PUT_ACK's reply comes later, maybe held
             self._time_start()
             self._begin_put(req)
         elif req.length > MAX_CONTROL_BODY:
