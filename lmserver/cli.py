@@ -124,6 +124,16 @@ def main() -> None:
     "with directory fsyncs grouped over ~10 ms.",
 )
 @click.option(
+    "--disk-direct",
+    type=click.Choice(["auto", "off"]),
+    default="auto",
+    envvar=_env("DISK_DIRECT"),
+    show_envvar=True,
+    help="Disk writes of objects of 64 KiB and more: auto = direct I/O (O_DIRECT) where the "
+    "filesystem takes it, straight from memory to the device with no page-cache copy; off = "
+    "through the page cache.",
+)
+@click.option(
     "--write-behind-limit",
     type=SIZE,
     default="256MiB",

@@ -43,6 +43,7 @@ class ServerConfig:
     disk: Path | None = None
     disk_limit: int = DEFAULT_DISK_LIMIT
     fsync: Literal["always", "batch", "never"] = "never"
+    disk_direct: Literal["auto", "off"] = "auto"  # O_DIRECT writes of large objects
     # Bytes of objects queued for the disk tier's writes (write-behind and demotion); past
     # it a write is skipped and counted, never waited for.
     write_behind_limit: int = 256 * 1024**2
@@ -85,6 +86,7 @@ class ServerConfig:
         )
         _check(self.disk_limit > 0, "--disk-limit must be positive")
         _choice("--fsync", self.fsync, ("always", "batch", "never"))
+        _choice("--disk-direct", self.disk_direct, ("auto", "off"))
         _check(self.write_behind_limit >= 0, "--write-behind-limit must not be negative")
         _check(self.max_connections >= 1, "--max-connections must be at least 1")
         _check(self.max_connections_per_address >= 1, "--max-connections-per-address must be at least 1")

@@ -45,7 +45,9 @@ def build_tiers(config: ServerConfig) -> list[tuple[Tier, ChainOptions]]:
     if config.disk is not None:
         from .tiers.disk import DiskTier
 
-        disk = DiskTier(config.disk, capacity=config.disk_limit, fsync=config.fsync)
+        disk = DiskTier(
+            config.disk, capacity=config.disk_limit, fsync=config.fsync, direct=config.disk_direct
+        )
         tiers.append((disk, ChainOptions(mode=disk.default_mode, queue_bytes=config.write_behind_limit)))
     for text in config.tiers:
         tiers.append(registry.build(TierSpec.parse(text)))

@@ -29,6 +29,15 @@ Layout, little-endian, header then body::
     80+k    4     header_crc   u32, zlib.crc32 of bytes [0, 80+k)
     84+k    n     body
 
+Version 2 differs in one thing: ``header_len`` may exceed ``84 + k``, the gap being zero
+padding (covered by nothing: ``header_len`` itself is under the header CRC). A tier writing
+with direct I/O (``O_DIRECT``) pads the header to ``ALIGN`` so that the body starts on a
+block boundary and goes from the object's own memory to the device without a page-cache copy
+(``write_object(direct=True)``). Measured here, 4 MiB objects streamed into ``--disk``: 0.66
+GB/s buffered against 2.0 GB/s direct, with the writer threads' CPU 139% -> 62%; ``dd`` shows
+the same (buffered 0.38 GB/s, one core spent copying; direct 1.6 GB/s). Version 1 files stay
+readable; a server older than version 2 would drop version-2 files as corrupt.
+
 A file is whole iff its size is exactly ``header_len + body_len``, the header CRC matches,
 the key hashes to the file name, and the body CRC matches. zlib.crc32 was measured at
 3.7-4.2 GB/s here (blake2b 0.9, sha256 1.8) and releases the GIL on large buffers; it guards
@@ -39,10 +48,15 @@ here) is used instead: files are identical either way.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import fcntl
 import hashlib
 import importlib
+import mmap
 import os
 import struct
+import threading
 import zlib
 from collections.abc import Callable
 from typing import NamedTuple, cast
@@ -61,15 +75,18 @@ def _load_crc32() -> Callable[[bytes | bytearray | memoryview], int]:
 _crc32 = _load_crc32()
 
 MAGIC = b"\x89LMS\r\n\x1a\n"
-VERSION = 1
+VERSION = 2  # what a padded header is written as; an unpadded one is still written as 1
 MAX_KEY_BYTES = 4096
 """Far above the protocol's 150 bytes; bounds the read needed to parse any header."""
+ALIGN = 4096
+"""Direct I/O granule: file offsets, lengths and memory addresses of O_DIRECT writes. 4 KiB
+serves devices with 512-byte and 4 KiB logical blocks alike."""
 
 _FIXED = struct.Struct("<8sHHHHQIiiiqqqqQ")
 _CRC = struct.Struct("<I")
 FIXED_SIZE = _FIXED.size  # 80
 HEADER_OVERHEAD = FIXED_SIZE + _CRC.size  # 84
-MAX_HEADER = HEADER_OVERHEAD + MAX_KEY_BYTES
+MAX_HEADER = -(-(HEADER_OVERHEAD + MAX_KEY_BYTES) // ALIGN) * ALIGN  # padded, the longest header
 FANOUT_DIGITS = 3
 
 
@@ -108,18 +125,23 @@ def header_size(key_bytes: bytes) -> int:
     return HEADER_OVERHEAD + len(key_bytes)
 
 
-def encode_header(key_bytes: bytes, body_len: int, body_crc: int, meta: ObjectMeta, written_ns: int) -> bytes:
-    """Raises ValueError for a key or metadata the format cannot hold."""
+def encode_header(
+    key_bytes: bytes, body_len: int, body_crc: int, meta: ObjectMeta, written_ns: int, *, align: int = 0
+) -> bytes:
+    """The header, zero-padded to a multiple of ``align`` if given (a version-2 header when that
+    pads it). Raises ValueError for a key or metadata the format cannot hold."""
     if len(key_bytes) > MAX_KEY_BYTES:
         raise ValueError(f"key of {len(key_bytes)} bytes exceeds {MAX_KEY_BYTES}")
     shape = tuple(meta.shape)
     if len(shape) != 4:
         raise ValueError(f"shape must have 4 dimensions, got {shape!r}")
+    exact = HEADER_OVERHEAD + len(key_bytes)
+    header_len = -(-exact // align) * align if align else exact
     try:
         fixed = _FIXED.pack(
             MAGIC,
-            VERSION,
-            HEADER_OVERHEAD + len(key_bytes),
+            VERSION if header_len != exact else 1,
+            header_len,
             len(key_bytes),
             0,
             body_len,
@@ -133,18 +155,18 @@ def encode_header(key_bytes: bytes, body_len: int, body_crc: int, meta: ObjectMe
     except struct.error as exc:
         raise ValueError(f"metadata out of range: {meta!r}") from exc
     head = fixed + key_bytes
-    return head + _CRC.pack(checksum(head))
+    return head + _CRC.pack(checksum(head)) + bytes(header_len - exact)
 
 
-def prepare(key: str, data: memoryview, meta: ObjectMeta) -> tuple[memoryview, bytes, int]:
-    """The body as a flat byte view, the key's UTF-8 and the header length. Raises ValueError
-    (UnicodeEncodeError included) for a key or metadata the format cannot hold, so a tier
-    can decline an object before it evicts anything for it."""
+def prepare(key: str, data: memoryview, meta: ObjectMeta, *, align: int = 0) -> tuple[memoryview, bytes, int]:
+    """The body as a flat byte view, the key's UTF-8 and the header length (padded to
+    ``align`` if given). Raises ValueError (UnicodeEncodeError included) for a key or metadata
+    the format cannot hold, so a tier can decline an object before it evicts anything for it."""
     data = memoryview(data)
     if data.format != "B" or data.ndim != 1:
         data = data.cast("B")
     key_bytes = key.encode("utf-8")
-    return data, key_bytes, len(encode_header(key_bytes, len(data), 0, meta, 0))
+    return data, key_bytes, len(encode_header(key_bytes, len(data), 0, meta, 0, align=align))
 
 
 def decode_header(buf: bytes | bytearray | memoryview) -> Header:
@@ -170,9 +192,11 @@ def decode_header(buf: bytes | bytearray | memoryview) -> Header:
     ) = _FIXED.unpack_from(buf, 0)
     if magic != MAGIC:
         raise CorruptFile("bad magic")
-    if version != VERSION:
+    if version not in (1, 2):
         raise CorruptFile(f"unknown format version {version}")
-    if key_len > MAX_KEY_BYTES or header_len != HEADER_OVERHEAD + key_len or len(buf) < header_len:
+    exact = HEADER_OVERHEAD + key_len
+    padded = header_len > exact and version == 2  # only version 2 may pad
+    if key_len > MAX_KEY_BYTES or (header_len != exact and not padded) or len(buf) < exact:
         raise CorruptFile("bad header length")
     end = FIXED_SIZE + key_len
     (stored,) = _CRC.unpack_from(buf, end)
@@ -186,20 +210,89 @@ def decode_header(buf: bytes | bytearray | memoryview) -> Header:
     return Header(header_len, key, body_len, body_crc, meta, written_ns)
 
 
-def write_object(fd: int, header: bytes, body: memoryview) -> None:
+def write_object(fd: int, header: bytes, body: memoryview, *, direct: bool = False) -> None:
     """Write header + body at the start of ``fd`` (a new, empty file); raises OSError.
+
+    ``direct``: ``fd`` was opened with ``O_DIRECT``, ``header`` is padded to ``ALIGN`` and
+    ``body`` starts on an ``ALIGN`` boundary (``aligned``). The body's whole blocks then go
+    from its own memory to the device; only its last partial block is copied, into a
+    per-thread bounce buffer, and the file is truncated to its exact size afterwards.
 
     The one I/O function the tests may replace to simulate a failing disk.
     """
-    bufs: list[bytes | memoryview] = [header, body]
+    if not direct:
+        _write_all(fd, [header, body])
+        return
+    scratch = _bounce()
+    head = scratch[: len(header)]
+    head[:] = header
+    whole = len(body) - len(body) % ALIGN
+    parts: list[bytes | memoryview] = [head, body[:whole]]
+    if whole < len(body):
+        tail = scratch[MAX_HEADER : MAX_HEADER + ALIGN]
+        rest = len(body) - whole
+        tail[:rest] = body[whole:]
+        tail[rest:] = bytes(ALIGN - rest)  # not another object's bytes, even in freed blocks
+        parts.append(tail)
+    _write_all(fd, parts)
+    os.ftruncate(fd, len(header) + len(body))
+
+
+def _write_all(fd: int, bufs: list[bytes | memoryview]) -> None:
+    offset = 0
     while bufs:
-        n = os.writev(fd, bufs)
+        n = os.pwritev(fd, bufs, offset)
+        offset += n
         # Drop what was written; a short write resumes where it stopped.
         while bufs and n >= len(bufs[0]):
             n -= len(bufs[0])
             bufs.pop(0)
         if bufs and n:
             bufs[0] = memoryview(bufs[0])[n:]
+        if offset % ALIGN and bufs:
+            # A short write that ended off a block boundary: O_DIRECT cannot go on from there.
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~getattr(os, "O_DIRECT", 0))
+
+
+_thread_bounce = threading.local()
+
+
+def _bounce() -> memoryview:
+    """This thread's aligned scratch for a direct write: a padded header, then one block."""
+    buf = getattr(_thread_bounce, "buf", None)
+    if buf is None:
+        buf = _thread_bounce.buf = mmap.mmap(-1, MAX_HEADER + ALIGN)  # mmaps are page-aligned
+    return memoryview(buf)
+
+
+def aligned(view: memoryview) -> bool:
+    """Whether ``view`` can be the body of a direct write: non-empty, writable (its address
+    is read through ctypes, which needs that) and starting on an ``ALIGN`` boundary. Object
+    buffers are anonymous mmaps, so memory entries always are."""
+    if view.readonly or not view.nbytes or not view.c_contiguous:
+        return False
+    return ctypes.addressof(ctypes.c_char.from_buffer(view)) % ALIGN == 0
+
+
+def direct_io_works(directory: str) -> bool:
+    """Whether files in ``directory`` accept O_DIRECT writes (some filesystems do not, e.g.
+    tmpfs before Linux 6.6): one aligned block is written to a probe file, then removed."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return False
+    probe = os.path.join(directory, f".direct-probe-{os.getpid()}-{threading.get_ident()}")
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | flag, 0o644)
+        try:
+            os.pwrite(fd, _bounce()[:ALIGN], 0)
+        finally:
+            os.close(fd)
+    except OSError:
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
+    return True
 
 
 def read_header_at(path: str) -> tuple[Header, int]:

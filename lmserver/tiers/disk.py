@@ -29,6 +29,15 @@ Strategy:
   write (at most ``_NO_SPACE_RETRIES`` times). While lowered, the free space is re-read at
   most every ``_SPACE_RECHECK_S`` seconds by a put, so the capacity rises again when space
   comes back. ``usage()`` reports both capacities.
+* Direct I/O (``direct="auto"``, the default): where the filesystem takes ``O_DIRECT``
+  (probed at open), bodies of at least ``DIRECT_MIN`` bytes are written with
+  it, their headers padded to a block (format version 2). The body then goes from the
+  memory tier's buffer to the device with no page-cache copy: on this 2-vCPU VM that copy
+  was the disk tier's main cost and starved the event loop of CPU (4 MiB PUTs streamed
+  into ``--disk``: 0.66 -> 2.0 GB/s, EXIST p50 on the same socket 7.7 -> 1.6 ms). It also
+  keeps a second copy of what memory already holds out of the page cache. Reads stay
+  buffered. A write the filesystem refuses (EINVAL) turns direct I/O off for the tier,
+  with a warning, and is retried buffered.
 * All blocking work (file I/O, fsync, SQLite) runs in threads: a bounded pool for object
   I/O, one thread for SQLite, one for ``fsync="batch"`` group commits. State is guarded by
   a lock, and per-key stripe locks order the renames/unlinks of one key against index
@@ -91,6 +100,11 @@ FsyncPolicy = Literal["always", "batch", "never"]
 FSYNC_POLICIES: tuple[FsyncPolicy, ...] = ("always", "batch", "never")
 DEFAULT_FSYNC: FsyncPolicy = "never"
 DEFAULT_CAPACITY = 64 * 1024**3
+DirectPolicy = Literal["auto", "off"]
+DIRECT_POLICIES: tuple[DirectPolicy, ...] = ("auto", "off")
+DIRECT_MIN = 64 * 1024
+"""Smaller bodies are written through the page cache: their copy is cheap, and a direct
+write of a few blocks waits for the device."""
 HELD_SHARE = 8
 """Evicted files waiting for demotion may hold at most 1/HELD_SHARE of the capacity."""
 
@@ -101,6 +115,7 @@ _REBUILD_CHUNK = 256
 _WARN_INTERVAL_S = 10.0
 _NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _NO_SPACE_RETRIES = 3
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
 _SPACE_RECHECK_S = 1.0
 
 
@@ -182,7 +197,7 @@ class DiskTier(Tier):
 
     @classmethod
     def from_spec(cls, spec: TierSpec) -> DiskTier:
-        """``disk:PATH?capacity=64GiB&fsync=never&workers=4``."""
+        """``disk:PATH?capacity=64GiB&fsync=never&workers=4&direct=auto``."""
         if not spec.target:
             raise ConfigError(f"tier {spec}: a disk tier needs a directory (disk:/path)")
         return cls(
@@ -190,6 +205,7 @@ class DiskTier(Tier):
             capacity=spec.size("capacity", DEFAULT_CAPACITY),
             fsync=spec.choice("fsync", FSYNC_POLICIES, DEFAULT_FSYNC),
             max_workers=spec.integer("workers", 4, minimum=1),
+            direct=spec.choice("direct", DIRECT_POLICIES, "auto"),
             name=spec.string("name", "disk"),
         )
 
@@ -204,10 +220,13 @@ class DiskTier(Tier):
         batch_bytes: int = 64 << 20,
         check_files: bool | None = None,
         recency_flush_s: float = 1.0,
+        direct: DirectPolicy = "auto",
         name: str = "disk",
     ) -> None:
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"fsync must be one of {FSYNC_POLICIES}, not {fsync!r}")
+        if direct not in DIRECT_POLICIES:
+            raise ValueError(f"direct must be one of {DIRECT_POLICIES}, not {direct!r}")
         if capacity < 0:
             raise ValueError("capacity must be >= 0")
         self.name = name
@@ -216,6 +235,8 @@ class DiskTier(Tier):
         self.effective_capacity = capacity  # lower while the filesystem holds less
         self.fsync: FsyncPolicy = fsync
         self.check_files = check_files
+        self.direct = direct
+        self.direct_io = False  # whether O_DIRECT writes are in use (probed at open)
         self._max_workers = max_workers
         self._batch_window_s = batch_window_s
         self._batch_bytes = batch_bytes
@@ -331,6 +352,7 @@ class DiskTier(Tier):
             raise RuntimeError(f"disk tier directory {self.path} is in use by another process") from None
         self._make_dirs()
         removed_tmp = self._clean_tmp()
+        self.direct_io = self.direct == "auto" and _diskfile.direct_io_works(self._tmp)
 
         conn, source = self._load_or_rebuild()
         try:
@@ -355,6 +377,7 @@ class DiskTier(Tier):
             bytes=self._bytes,
             capacity=self.capacity,
             fsync=self.fsync,
+            direct_io=self.direct_io,
             index=source,
             reconciled=reconciled,
             temp_files_removed=removed_tmp,
@@ -585,8 +608,11 @@ class DiskTier(Tier):
     async def put(self, key: str, data: memoryview, meta: ObjectMeta) -> bool:
         if self._closed or self._pool is None:
             return False
+        direct = self.direct_io and len(data) >= DIRECT_MIN and _diskfile.aligned(data)
         try:
-            data, key_bytes, header_len = _diskfile.prepare(key, data, meta)
+            data, key_bytes, header_len = _diskfile.prepare(
+                key, data, meta, align=_diskfile.ALIGN if direct else 0
+            )
         except ValueError:
             self._count("declined_invalid")
             return False
@@ -602,7 +628,9 @@ class DiskTier(Tier):
             return False
         loop = asyncio.get_running_loop()
         try:
-            fut = loop.run_in_executor(self._pool, self._put_sync, key, key_bytes, data, meta, size, plan)
+            fut = loop.run_in_executor(
+                self._pool, self._put_sync, key, key_bytes, data, meta, size, plan, header_len
+            )
         except RuntimeError:  # closed meanwhile
             self._release_plan(size, plan)
             return False
@@ -747,13 +775,14 @@ class DiskTier(Tier):
         meta: ObjectMeta,
         size: int,
         plan: tuple[int, list[tuple[str, _Entry]]],
+        header_len: int,
     ) -> bool | concurrent.futures.Future[bool]:
         syncer = self._syncer
         job: _Job | None = None
         if syncer is not None:
             syncer.writer_started()
         try:
-            job = self._write_temp(key, key_bytes, data, meta, size, plan)
+            job = self._write_temp(key, key_bytes, data, meta, size, plan, header_len)
         finally:
             if syncer is not None:
                 syncer.writer_done(job)
@@ -780,25 +809,31 @@ class DiskTier(Tier):
         meta: ObjectMeta,
         size: int,
         plan: tuple[int, list[tuple[str, _Entry]]],
+        header_len: int,
     ) -> _Job | None:
-        """Evict the planned victims, then write the object to a temp file."""
+        """Evict the planned victims, then write the object to a temp file (directly, if
+        put() padded its header for that)."""
         self._victims_gone(size, plan)
         name = _diskfile.object_name(key_bytes)
         crc = _diskfile.checksum(data)
+        direct = header_len != _diskfile.header_size(key_bytes)
+        align = _diskfile.ALIGN if direct else 0
         try:
-            header = _diskfile.encode_header(key_bytes, len(data), crc, meta, time.time_ns())
+            header = _diskfile.encode_header(key_bytes, len(data), crc, meta, time.time_ns(), align=align)
         except ValueError:
             with self._mu:
                 self._reserved -= size
                 self._counters["declined_invalid"] += 1
             return None
         self._recheck_space()
-        for attempt in range(_NO_SPACE_RETRIES + 1):
+        attempt = 0
+        while True:
             tmp = os.path.join(self._tmp, uuid.uuid4().hex)
             fd = -1
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (_O_DIRECT if direct else 0)
             try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-                _diskfile.write_object(fd, header, data)
+                fd = os.open(tmp, flags, 0o644)
+                _diskfile.write_object(fd, header, data, direct=direct)
                 if self.fsync != "never":
                     os.fsync(fd)
                 os.close(fd)
@@ -808,7 +843,14 @@ class DiskTier(Tier):
                     with contextlib.suppress(OSError):
                         os.close(fd)
                 if exc.errno in _NO_SPACE_ERRNOS and attempt < _NO_SPACE_RETRIES:
+                    attempt += 1
                     self._make_room(tmp)
+                    continue
+                if direct and exc.errno == errno.EINVAL:
+                    # The filesystem took the probe but not this write: buffered from now on
+                    # (the padded header is still a valid file).
+                    direct = False
+                    self._direct_refused(tmp, exc)
                     continue
                 self._write_failed(tmp, size, exc, key=key)
                 return None
@@ -849,6 +891,17 @@ class DiskTier(Tier):
             if self.fsync != "never":
                 _fsync_path(self._objects)
             os.rename(tmp, final)
+
+    def _direct_refused(self, tmp: str, exc: OSError) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if self.direct_io:
+            self.direct_io = False
+            log.warning(
+                "disk tier: direct I/O refused; writing through the page cache",
+                path=str(self.path),
+                error=str(exc),
+            )
 
     def _write_failed(self, tmp: str, size: int, exc: OSError, **kw: Any) -> None:
         with contextlib.suppress(OSError):

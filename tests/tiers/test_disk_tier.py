@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import mmap
 import os
 import random
 import signal
@@ -23,11 +24,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 from lmproto import ObjectMeta
 from lmserver.tiers import _diskfile
-from lmserver.tiers.base import NoSpace, Victim
-from lmserver.tiers.disk import DiskTier, FsyncPolicy
+from lmserver.tiers.base import ConfigError, NoSpace, Victim
+from lmserver.tiers.disk import DIRECT_MIN, DiskTier, FsyncPolicy
+from lmserver.tiers.spec import TierSpec
 
 META = ObjectMeta(fmt=1, dtype=3, shape=(2, 16, 256, 128), location=1)
 REPO = Path(__file__).resolve().parents[2]
@@ -553,6 +556,97 @@ async def test_invalid_keys_and_meta_declined(tier: DiskTier) -> None:
     assert tier.usage().counters["inflight_bytes"] == 0 and tier.keys() == []
 
 
+# -- direct I/O --------------------------------------------------------------------------------
+
+
+def mapped(data: bytes) -> memoryview:
+    """``data`` in an anonymous mmap: page-aligned and writable, like a memory-tier object."""
+    buf = mmap.mmap(-1, len(data))
+    buf[:] = data
+    return memoryview(buf)
+
+
+async def test_large_objects_are_written_directly_and_read_back(root: Path) -> None:
+    t = await reopen(root)
+    try:
+        if not t.direct_io:
+            pytest.skip("this filesystem refuses O_DIRECT")
+        big, odd, small = payload(1, 1 << 20), payload(2, DIRECT_MIN + 5), payload(3, 5000)
+        for key, data in (("big", big), ("odd", odd), ("small", small)):
+            assert await t.put(key, mapped(data), META)
+        headers = {k: _diskfile.read_header_at(str(file_of(root, k)))[0] for k in ("big", "odd", "small")}
+        assert headers["big"].header_len == headers["odd"].header_len == _diskfile.ALIGN  # padded: direct
+        assert headers["small"].header_len == _diskfile.header_size(b"small")  # below DIRECT_MIN
+        assert await t.put("bytes", memoryview(big), META)  # read-only: buffered, unpadded
+        assert _diskfile.read_header_at(str(file_of(root, "bytes")))[0].header_len < _diskfile.ALIGN
+        assert t.usage().bytes == sum(p.stat().st_size for p in object_files(root))
+        for key, data in (("big", big), ("odd", odd), ("small", small), ("bytes", big)):
+            assert await get(t, key) == (data, META)
+    finally:
+        await t.close()
+    # Version-2 files survive a restart, through the index and through a rebuild from files.
+    t = await reopen(root)
+    try:
+        assert await get(t, "odd") == (odd, META)
+    finally:
+        await t.close()
+    (root / "index.sqlite3").unlink()
+    t = await reopen(root)
+    try:
+        assert sorted(t.keys()) == ["big", "bytes", "odd", "small"]
+        assert await get(t, "big") == (big, META)
+    finally:
+        await t.close()
+
+
+async def test_direct_off_writes_through_the_page_cache(root: Path) -> None:
+    t = await reopen(root, direct="off")
+    try:
+        assert not t.direct_io
+        assert await t.put("big", mapped(payload(1, 1 << 20)), META)
+        assert _diskfile.read_header_at(str(file_of(root, "big")))[0].header_len < _diskfile.ALIGN
+    finally:
+        await t.close()
+
+
+async def test_a_refused_direct_write_falls_back_to_buffered(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A filesystem that passed the probe but refuses a write (EINVAL): the object is still
+    stored, and the tier stops trying direct I/O."""
+    t = await reopen(root)
+    try:
+        if not t.direct_io:
+            pytest.skip("this filesystem refuses O_DIRECT")
+        real_write = _diskfile.write_object
+        calls: list[bool] = []
+
+        def refuse_direct(fd: int, header: bytes, body: memoryview, *, direct: bool = False) -> None:
+            calls.append(direct)
+            if direct:
+                raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+            real_write(fd, header, body)
+
+        monkeypatch.setattr(_diskfile, "write_object", refuse_direct)
+        data = payload(1, 1 << 20)
+        with capture_logs() as logs:
+            assert await t.put("k", mapped(data), META)
+        assert await t.put("k2", mapped(data), META)
+        assert calls == [True, False, False] and not t.direct_io
+        assert await get(t, "k") == (data, META)
+        assert t.usage().counters["write_errors"] == 0 and list((root / "tmp").iterdir()) == []
+        assert any("direct I/O refused" in e["event"] for e in logs)
+    finally:
+        await t.close()
+
+
+async def test_direct_option_in_the_tier_spec(root: Path) -> None:
+    assert DiskTier.from_spec(TierSpec.parse(f"disk:{root}?direct=off")).direct == "off"
+    assert DiskTier.from_spec(TierSpec.parse(f"disk:{root}")).direct == "auto"
+    with pytest.raises(ConfigError):
+        DiskTier.from_spec(TierSpec.parse(f"disk:{root}?direct=sometimes"))
+
+
 # -- errors -------------------------------------------------------------------------------------
 
 
@@ -562,7 +656,7 @@ async def test_enospc_on_write_is_declined_and_tier_keeps_serving(
     # The one fake in this file: no size-limited filesystem can be mounted here.
     real_write = _diskfile.write_object
 
-    def full_disk(fd: int, header: bytes, body: memoryview) -> None:
+    def full_disk(fd: int, header: bytes, body: memoryview, *, direct: bool = False) -> None:
         os.write(fd, header)  # a partial file is left behind, as a real ENOSPC would
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
