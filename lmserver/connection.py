@@ -809,9 +809,13 @@ class LMProtocol(asyncio.BufferedProtocol):
 
     def _reply_object(self, entry: Entry) -> None:
         """A GET hit: header with the stored metadata, then the object's own buffer."""
-        assert self.generation is not None
-        meta: ObjectMeta = entry.meta
-        header = encode_reply(Status.SUCCESS, entry.length, generation=self.generation, meta=meta)
+        generation = self.generation
+        assert generation is not None
+        if entry.reply_generation is not generation:
+            meta: ObjectMeta = entry.meta
+            entry.reply_header = encode_reply(Status.SUCCESS, entry.length, generation=generation, meta=meta)
+            entry.reply_generation = generation
+        header = entry.reply_header
         if entry.length <= SMALL_REPLY:
             self._emit(header + entry.view)  # one small copy instead of a pin held until sent
             self.store.memory.unpin(entry)

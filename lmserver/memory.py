@@ -34,7 +34,19 @@ from .tiers.base import Victim
 class Entry:
     """One object (or one reservation, before ``commit``) and its buffer."""
 
-    __slots__ = ("buffer", "charged", "key", "length", "lent", "live", "meta", "pins", "tick")
+    __slots__ = (
+        "buffer",
+        "charged",
+        "key",
+        "length",
+        "lent",
+        "live",
+        "meta",
+        "pins",
+        "reply_generation",
+        "reply_header",
+        "tick",
+    )
 
     def __init__(self, buffer: Buffer, length: int, charged: int) -> None:
         self.buffer = buffer
@@ -46,6 +58,10 @@ class Entry:
         self.live = False  # reachable through the index
         self.lent = False  # evicted and being demoted: its buffer is in the pool's lent share
         self.tick = 0
+        # The connection layer's cache of this object's GET reply header, for one frame
+        # generation at a time: its status, length and metadata never change once stored.
+        self.reply_header = b""
+        self.reply_generation: object = None
 
     @property
     def view(self) -> memoryview:
@@ -190,7 +206,7 @@ class MemoryTier:
 
     def get(self, key: str) -> Entry | None:
         """The object under ``key``, pinned and refreshed in the LRU; the caller unpins."""
-        shard = self._shard(key)
+        shard = self._shards[hash(key) % len(self._shards)]  # _shard(), inlined: the GET path
         with shard.lock:
             entry = shard.entries.pop(key, None)
             if entry is None:
@@ -211,7 +227,13 @@ class MemoryTier:
             entry.pins += 1
 
     def unpin(self, entry: Entry) -> None:
-        self._drop_pin_if_dead(entry, unpin=True)
+        # Once per GET: the common case (still live, or still pinned) decides under the
+        # lock and returns; only the last pin of a dead entry goes on to release it.
+        with self._shards[hash(entry.key) % len(self._shards)].lock:
+            entry.pins -= 1
+            if entry.pins or entry.live or entry.buffer is None:
+                return
+        self._drop_pin_if_dead(entry, unpin=False)
 
     def _drop_pin_if_dead(self, entry: Entry, *, unpin: bool) -> None:
         with self._shard(entry.key).lock:
