@@ -184,6 +184,7 @@ class LMProtocol(asyncio.BufferedProtocol):
         self.held: deque[_Held] = deque()
         self.acks_in_flight = 0
         self.write_paused = False
+        self.reading_paused = False  # what we last asked of the transport
         self.busy = False  # an awaited operation is in flight; parsing waits for it
         self.closing = False  # finish the current request, then close
         self.closed = False
@@ -338,6 +339,7 @@ class LMProtocol(asyncio.BufferedProtocol):
         transport.write_eof()
         self.start = self.end = 0
         transport.resume_reading()  # buffer_updated drops everything once closed
+        self.reading_paused = False
         asyncio.get_running_loop().call_later(LINGER_S, transport.close)
 
     def _fatal(self, reason: str) -> None:
@@ -962,10 +964,13 @@ class LMProtocol(asyncio.BufferedProtocol):
         if self.closed or self.transport is None:
             return
         idle_closing = self.closing and self.body is None and not self.discard_left
-        if self.busy or self.write_paused or idle_closing or self._acks_full:
-            self.transport.pause_reading()
-        else:
-            self.transport.resume_reading()
+        pause = self.busy or self.write_paused or idle_closing or self._acks_full
+        if pause != self.reading_paused:  # called after every read: only changes reach the transport
+            self.reading_paused = pause
+            if pause:
+                self.transport.pause_reading()
+            else:
+                self.transport.resume_reading()
 
 
 def sweep_interval(config: Any) -> float:
