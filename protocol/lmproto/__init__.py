@@ -20,15 +20,7 @@ from ._bodies import (
     encode_presence,
     hit_prefix,
 )
-from ._codec import (
-    decode_reply,
-    decode_request,
-    detect_generation,
-    encode_key,
-    encode_reply,
-    encode_request,
-    validate_key,
-)
+from ._codec import encode_key, encode_reply, encode_request, validate_key
 from ._constants import (
     DETECT_SIZE,
     EXTENSION_COMMANDS,
@@ -47,6 +39,7 @@ from ._constants import (
     MemoryFormat,
     Status,
 )
+from ._decode import decode_reply, decode_request, detect_generation
 from ._decoder import NEED_DATA, ReplyDecoder, RequestDecoder
 from ._errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from ._frames import NO_META, PLACEHOLDER_META, ObjectMeta, Reply, Request

@@ -14,8 +14,8 @@ from __future__ import annotations
 import enum
 from typing import Generic, TypeVar
 
-from ._codec import decode_reply, decode_request, detect_generation
 from ._constants import INT32_MAX, REPLY_SIZE, REQUEST_SIZE, Generation
+from ._decode import decode_reply, decode_request, detect_generation
 from ._errors import LocalProtocolError, RemoteProtocolError
 from ._frames import Reply, Request
 
