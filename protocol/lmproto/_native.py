@@ -1,0 +1,84 @@
+"""Which modules a build compiles with mypyc, whether they run compiled, and how to ignore them.
+
+Strategy: ``setup.py`` compiles the modules in ``COMPILED_MODULES`` (it reads this tuple
+from this file's source, so there is one list) into extension modules that sit beside their
+``.py`` sources, and Python imports an extension module before a source file of the same
+name. ``LMSERVER_PURE=1`` in the environment installs a finder that imports the sources
+instead, so one installation can run, and be tested, both ways. It is read once, when
+``lmproto`` is first imported (``lmserver`` imports ``lmproto`` first thing).
+
+Standard library only, like the rest of lmproto; lmserver's names are listed here too so that
+the finder is in place before either package imports any of them.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import os
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+
+COMPILED_MODULES = (
+    "lmproto._decode",
+    "lmserver.connection",
+)
+"""The modules mypyc compiles: the hot path (header decoders, the connection's parse/dispatch loop)."""
+
+PURE_ENV = "LMSERVER_PURE"
+"""Set to 1 to import the Python sources even where compiled modules are present."""
+
+
+def pure_requested() -> bool:
+    return os.environ.get(PURE_ENV, "") not in ("", "0")
+
+
+class _SourceFirst:
+    """A meta path finder for ``COMPILED_MODULES`` that finds only their ``.py`` files."""
+
+    def find_spec(
+        self, name: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if name not in COMPILED_MODULES or path is None:
+            return None
+        leaf = name.rpartition(".")[2] + ".py"
+        for entry in path:
+            source = os.path.join(entry, leaf)
+            if os.path.isfile(source):
+                return importlib.util.spec_from_file_location(name, source)
+        return None  # no source here: let the other finders try
+
+
+def install_pure_finder() -> bool:
+    """Import the sources of ``COMPILED_MODULES`` from now on if ``LMSERVER_PURE`` asks for it.
+
+    Returns whether the finder is in place. Modules already imported stay as they are."""
+    if any(isinstance(finder, _SourceFirst) for finder in sys.meta_path):
+        return True
+    if not pure_requested():
+        return False
+    sys.meta_path.insert(0, _SourceFirst())
+    return True
+
+
+def is_compiled(module: ModuleType) -> bool:
+    """Whether ``module`` was loaded from an extension module (a mypyc build) rather than source."""
+    return isinstance(getattr(module, "__loader__", None), importlib.machinery.ExtensionFileLoader)
+
+
+def compiled() -> dict[str, bool]:
+    """For each module in ``COMPILED_MODULES`` that can be imported: whether it runs compiled."""
+    status: dict[str, bool] = {}
+    for name in COMPILED_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name.partition(".")[0]:
+                raise  # a broken build (a compiled module without its shared library, ...)
+            continue  # lmproto installed without lmserver
+        status[name] = is_compiled(module)
+    return status
+
+
+install_pure_finder()  # on first import: lmproto/__init__ imports this module before any other

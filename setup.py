@@ -1,0 +1,136 @@
+"""Build hook: compiles the server's hot path with mypyc. Everything else is in pyproject.toml.
+
+* Default: the modules in ``lmproto._native.COMPILED_MODULES`` are compiled into extension
+  modules installed beside their sources (``pip install .``, ``pip install -e .``,
+  ``python setup.py build_ext --inplace``).
+* ``LMSERVER_COMPILE=0``: pure Python. An editable pure build also deletes compiled modules
+  an earlier compiled build left in the source tree, which would otherwise shadow the sources.
+* A build that cannot compile (mypyc refuses the code, or there is no C compiler) warns and
+  installs pure Python instead of failing.
+* ``LMSERVER_PURE=1`` at run time ignores compiled modules that are present (lmproto/_native.py).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from setuptools import setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+COMPILE_ENV = "LMSERVER_COMPILE"
+
+
+def _group(module: str) -> str:
+    """The shared library holding ``module``'s compiled code: one per package, so that lmproto's
+    compiled modules load nothing of lmserver (lmproto/_mypyc__mypyc.*.so, lmserver/...)."""
+    return module.partition(".")[0] + "._mypyc"
+
+
+def _warn(message: str) -> None:
+    # setuptools hides stdout of a build; stderr shows (pip shows it with -v, or on failure).
+    print(f"lmserver setup.py: WARNING: {message}", file=sys.stderr)
+
+
+def _compiled_modules() -> list[str]:
+    """COMPILED_MODULES from protocol/lmproto/_native.py, read without importing the package."""
+    tree = ast.parse((ROOT / "protocol" / "lmproto" / "_native.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "COMPILED_MODULES" for t in node.targets
+        ):
+            return list(ast.literal_eval(node.value))
+    raise RuntimeError("COMPILED_MODULES not found in protocol/lmproto/_native.py")
+
+
+def _source(module: str) -> str:
+    """The source file of a module, relative to ROOT (lmproto lives under protocol/)."""
+    path = module.replace(".", "/") + ".py"
+    return f"protocol/{path}" if module.startswith("lmproto.") else path
+
+
+def _remove_inplace_builds(modules: list[str]) -> None:
+    """Delete compiled modules (and their shared library) left in the source tree."""
+    libraries = {_source(_group(m))[: -len(".py")] + "__mypyc" for m in modules}
+    names = [_source(m)[: -len(".py")] for m in modules] + sorted(libraries)
+    for stem in names:
+        folder, leaf = (ROOT / stem).parent, (ROOT / stem).name
+        for found in folder.glob(f"{leaf}.*.so"):
+            _warn(f"removing {found.relative_to(ROOT)} (a compiled module from an earlier build)")
+            found.unlink()
+
+
+# mypy options for the compile, beside pyproject.toml's [tool.mypy] (which stays the strict
+# check CI runs). In an isolated build (pip's default) only setuptools and mypy are installed,
+# not the runtime dependencies (structlog, ...), so: missing imports are Any, modules that are
+# not compiled are followed without reporting their errors, and the strict warnings that depend
+# on whether a dependency is typed (unused ignores, returning Any, subclassing Any) are off.
+MYPY_OPTIONS = [
+    "--ignore-missing-imports",
+    "--follow-imports=silent",
+    "--no-warn-unused-ignores",
+    "--no-warn-return-any",
+    "--allow-subclassing-any",
+]
+
+
+def _mypyc_extensions(modules: list[str]) -> list[Any]:
+    """The extension modules mypyc makes of ``modules``; [] (and a warning) if it cannot."""
+    try:
+        from mypyc.build import mypycify
+    except ImportError as exc:
+        _warn(f"mypyc is not installed ({exc}); building pure Python")
+        return []
+    cwd = os.getcwd()
+    os.chdir(ROOT)  # mypy reads [tool.mypy] (mypy_path) from ./pyproject.toml
+    try:
+        groups: dict[str, list[str]] = {}
+        for module in modules:
+            groups.setdefault(_group(module), []).append(_source(module))
+        return list(
+            mypycify(
+                MYPY_OPTIONS + [_source(m) for m in modules],
+                opt_level="3",
+                separate=[(files, name) for name, files in groups.items()],
+            )
+        )
+    except (Exception, SystemExit) as exc:  # mypyc exits on type errors it cannot compile
+        _warn(f"mypyc could not compile {modules} ({exc!r}); building pure Python")
+        return []
+    finally:
+        os.chdir(cwd)
+
+
+class BuildExt(build_ext):
+    """Compiles the mypyc extensions all or none: a C compiler failure leaves a pure build."""
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except Exception as exc:  # CompileError, LinkError, no compiler at all, ...
+            _warn(f"compiling the mypyc extensions failed ({exc!r}); building pure Python")
+            # A shim without its shared library would fail at import: drop every output.
+            for ext in self.extensions:
+                path = self.get_ext_fullpath(ext.name)
+                if os.path.exists(path):
+                    os.unlink(path)
+            self.extensions = []
+            _remove_inplace_builds(_compiled_modules())
+
+
+def _ext_modules() -> list[Any]:
+    modules = _compiled_modules()
+    if os.environ.get(COMPILE_ENV, "1") == "0":
+        _remove_inplace_builds(modules)
+        return []
+    extensions = _mypyc_extensions(modules)
+    if not extensions:
+        _remove_inplace_builds(modules)
+    return extensions
+
+
+setup(ext_modules=_ext_modules(), cmdclass={"build_ext": BuildExt})
