@@ -24,7 +24,7 @@ from .logs import configure_logging
 from .memory import MemoryTier
 from .sizes import format_size
 from .state import ServerState
-from .stats import log_periodically, trim_idle_memory
+from .stats import log_periodically, native_modules, trim_idle_memory
 from .store import Store
 from .tiers.base import ConfigError, Tier
 from .tiers.spec import ChainOptions, TierSpec
@@ -97,6 +97,7 @@ class Server:
             host=self.host,
             port=self.port if self.config.plain else None,
             version=__version__,
+            compiled=native_modules(),
             loop=type(loop).__module__.split(".")[0],
             protocol=self.config.protocol,
             memory_limit=format_size(self.config.memory_limit),

@@ -8,7 +8,7 @@ from typing import Any
 
 import structlog
 
-from . import __version__
+from . import __version__, compiled
 from .state import ServerState
 
 log = structlog.get_logger("lmserver.stats")
@@ -22,6 +22,7 @@ def server_stats(state: ServerState) -> dict[str, Any]:
     return {
         "server": "lmserver",
         "version": __version__,
+        "compiled": native_modules(),  # modules running compiled by mypyc (none: pure Python)
         "uptime_s": round(time.time() - state.started_at, 3),
         "connections": {
             "current": len(state.connections),
@@ -38,6 +39,11 @@ def server_stats(state: ServerState) -> dict[str, Any]:
         "counters": dict(sorted(counters.items())),
         "store": store,
     }
+
+
+def native_modules() -> list[str]:
+    """The modules of a mypyc build that run compiled here (lmserver.compiled())."""
+    return sorted(name for name, native in compiled().items() if native)
 
 
 async def trim_idle_memory(state: ServerState, interval: float = 30.0) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from wire import Wire
 
+import lmserver
 from lmproto import (
     NO_META,
     PLACEHOLDER_META,
@@ -98,6 +99,7 @@ def test_stats_is_json_with_counters(wire: Wire) -> None:
     stats = decode_json(body)
     assert stats["server"] == "lmserver" and isinstance(stats["version"], str)
     assert stats["uptime_s"] >= 0
+    assert stats["compiled"] == sorted(name for name, native in lmserver.compiled().items() if native)
     assert stats["connections"]["current"] == 1 and stats["connections"]["total"] >= 1
     [memory] = stats["tiers"]
     assert memory["name"] == "memory" and memory["objects"] == 1 and memory["bytes"] == 5

@@ -86,6 +86,10 @@ async def test_a_put_without_a_reply_is_acknowledged_at_once() -> None:
     transport.get_extra_info.side_effect = {"peername": ("127.0.0.1", 1), "socket": sock}.get
     transport.get_write_buffer_size.return_value = 0
     transport.is_closing.return_value = False
+    # What a transport returns: compiled (mypyc), the protocol checks that methods typed to
+    # return None do (a Mock's methods return Mocks).
+    for name in ("write", "writelines", "pause_reading", "resume_reading", "set_write_buffer_limits"):
+        getattr(transport, name).return_value = None
     proto.connection_made(transport)
     quickack = mock.call(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
 
