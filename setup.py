@@ -3,8 +3,9 @@
 * Default: the modules in ``lmproto._native.COMPILED_MODULES`` are compiled into extension
   modules installed beside their sources (``pip install .``, ``pip install -e .``,
   ``python setup.py build_ext --inplace``).
-* ``LMSERVER_COMPILE=0``: pure Python. An editable pure build also deletes compiled modules
-  an earlier compiled build left in the source tree, which would otherwise shadow the sources.
+* ``LMSERVER_COMPILE=0``: pure Python.
+* Every run first deletes compiled modules that earlier builds left in the source tree or in
+  ``build/``: they would shadow the sources, or go into a wheel beside a newer build.
 * A build that cannot compile (mypyc refuses the code, or there is no C compiler) warns and
   installs pure Python instead of failing.
 * ``LMSERVER_PURE=1`` at run time ignores compiled modules that are present (lmproto/_native.py).
@@ -13,6 +14,7 @@
 from __future__ import annotations
 
 import ast
+import importlib.machinery
 import os
 import sys
 from pathlib import Path
@@ -53,15 +55,20 @@ def _source(module: str) -> str:
     return f"protocol/{path}" if module.startswith("lmproto.") else path
 
 
-def _remove_inplace_builds(modules: list[str]) -> None:
-    """Delete compiled modules (and their shared library) left in the source tree."""
-    libraries = {_source(_group(m))[: -len(".py")] + "__mypyc" for m in modules}
-    names = [_source(m)[: -len(".py")] for m in modules] + sorted(libraries)
-    for stem in names:
-        folder, leaf = (ROOT / stem).parent, (ROOT / stem).name
-        for found in folder.glob(f"{leaf}.*.so"):
-            _warn(f"removing {found.relative_to(ROOT)} (a compiled module from an earlier build)")
-            found.unlink()
+def _remove_old_builds() -> None:
+    """Delete compiled modules that earlier builds left in the source tree (an editable or
+    ``build_ext --inplace`` build) or in ``build/lib.*`` (which a wheel is packed from): a stale
+    one would shadow its source, or be packed beside a newer build. These packages have no
+    other compiled modules; a compiled build makes its own again."""
+    suffixes = tuple(importlib.machinery.EXTENSION_SUFFIXES)
+    roots = [ROOT / "lmserver", ROOT / "protocol" / "lmproto"]
+    for build_lib in (ROOT / "build").glob("lib.*"):
+        roots += [build_lib / "lmserver", build_lib / "lmproto"]
+    for root in roots:
+        for found in root.rglob("*"):
+            if found.name.endswith(suffixes) and found.is_file():
+                _warn(f"removing {found.relative_to(ROOT)} (a compiled module from an earlier build)")
+                found.unlink()
 
 
 # mypy options for the compile, beside pyproject.toml's [tool.mypy] (which stays the strict
@@ -119,18 +126,14 @@ class BuildExt(build_ext):
                 if os.path.exists(path):
                     os.unlink(path)
             self.extensions = []
-            _remove_inplace_builds(_compiled_modules())
+            _remove_old_builds()
 
 
 def _ext_modules() -> list[Any]:
-    modules = _compiled_modules()
+    _remove_old_builds()
     if os.environ.get(COMPILE_ENV, "1") == "0":
-        _remove_inplace_builds(modules)
         return []
-    extensions = _mypyc_extensions(modules)
-    if not extensions:
-        _remove_inplace_builds(modules)
-    return extensions
+    return _mypyc_extensions(_compiled_modules())
 
 
 setup(ext_modules=_ext_modules(), cmdclass={"build_ext": BuildExt})
