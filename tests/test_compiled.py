@@ -12,7 +12,10 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 import lmserver
 from lmproto import _native
@@ -60,3 +63,39 @@ def test_pure_env_imports_the_sources() -> None:
     status, files = json.loads(out.stdout)
     assert status == dict.fromkeys(_native.COMPILED_MODULES, False)
     assert all(f.endswith(".py") for f in files), files
+
+
+def _fake_build(root: Path, package: str, *, source_age: float, build_age: float) -> None:
+    """A package with module ``mod``: its source and a compiled file, each ``age`` seconds old."""
+    folder = root / package
+    folder.mkdir()
+    (folder / "__init__.py").write_text("")
+    now = time.time()
+    for name, age in (("mod.py", source_age), ("mod" + importlib.machinery.EXTENSION_SUFFIXES[0], build_age)):
+        (folder / name).write_bytes(b"")
+        os.utime(folder / name, (now - age, now - age))
+
+
+def test_a_source_edited_after_its_build_counts_as_stale(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _fake_build(tmp_path, "edited_pkg", source_age=10, build_age=60)
+    _fake_build(tmp_path, "fresh_pkg", source_age=60, build_age=10)
+    # A wheel install writes source and build moments apart, in any order: not stale.
+    _fake_build(tmp_path, "wheel_pkg", source_age=10, build_age=10 + _native.STALE_AFTER / 2)
+    names = ["edited_pkg.mod", "fresh_pkg.mod", "wheel_pkg.mod", "absent_pkg.mod"]
+    assert _native.stale_builds(names) == ["edited_pkg.mod"]
+
+
+def test_a_stale_build_runs_every_module_from_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(_native.PURE_ENV, raising=False)
+    finders = [f for f in sys.meta_path if not isinstance(f, _native._SourceFirst)]
+    monkeypatch.setattr(sys, "meta_path", finders)
+    monkeypatch.setattr(_native, "stale_builds", lambda: ["lmserver.connection"])
+    with pytest.warns(RuntimeWarning, match="lmserver.connection changed after it was compiled"):
+        assert _native.install_pure_finder()
+    assert isinstance(sys.meta_path[0], _native._SourceFirst)
+    monkeypatch.setattr(_native, "stale_builds", lambda: [])
+    monkeypatch.setattr(sys, "meta_path", sys.meta_path[1:])
+    assert not _native.install_pure_finder()  # nothing stale, nothing asked: compiled modules load

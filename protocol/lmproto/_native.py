@@ -7,6 +7,12 @@ name. ``LMSERVER_PURE=1`` in the environment installs a finder that imports the 
 instead, so one installation can run, and be tested, both ways. It is read once, when
 ``lmproto`` is first imported (``lmserver`` imports ``lmproto`` first thing).
 
+A source edited after its build (an editable install, then a change) would otherwise be
+shadowed by the old compiled code: running code that no file shows is the worst kind of
+surprise. So a compiled module older than its source makes every compiled module load from
+source, with a warning that says how to rebuild. All of them, because compiled modules call
+each other's compiled code directly.
+
 Standard library only, like the rest of lmproto; lmserver's names are listed here too so that
 the finder is in place before either package imports any of them.
 """
@@ -17,6 +23,7 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from types import ModuleType
 
@@ -28,6 +35,10 @@ COMPILED_MODULES = (
 
 PURE_ENV = "LMSERVER_PURE"
 """Set to 1 to import the Python sources even where compiled modules are present."""
+
+STALE_AFTER = 2.0
+"""Seconds a source may be newer than its compiled module before the build counts as stale.
+Installing a wheel writes both within moments, in no set order; an edit comes later."""
 
 
 def pure_requested() -> bool:
@@ -50,14 +61,50 @@ class _SourceFirst:
         return None  # no source here: let the other finders try
 
 
+def _package_folders(package: str) -> list[str]:
+    """Where ``package``'s modules live, found without importing it (lmserver may be mid-import)."""
+    if package == __package__:
+        return [os.path.dirname(os.path.abspath(__file__))]
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return []
+    return list(spec.submodule_search_locations or []) if spec is not None else []
+
+
+def stale_builds(modules: Sequence[str] = COMPILED_MODULES) -> list[str]:
+    """The modules whose compiled file is older than their source by more than STALE_AFTER."""
+    stale = []
+    for name in modules:
+        package, _, leaf = name.rpartition(".")
+        for folder in _package_folders(package):
+            source = os.path.join(folder, leaf + ".py")
+            suffixes = importlib.machinery.EXTENSION_SUFFIXES
+            builds = [os.path.join(folder, leaf + suffix) for suffix in suffixes]
+            built = [os.path.getmtime(b) for b in builds if os.path.isfile(b)]
+            if built and os.path.isfile(source) and os.path.getmtime(source) > max(built) + STALE_AFTER:
+                stale.append(name)
+    return stale
+
+
 def install_pure_finder() -> bool:
-    """Import the sources of ``COMPILED_MODULES`` from now on if ``LMSERVER_PURE`` asks for it.
+    """Import the sources of ``COMPILED_MODULES`` from now on if ``LMSERVER_PURE`` asks for it,
+    or if a compiled module is older than its source (with a warning).
 
     Returns whether the finder is in place. Modules already imported stay as they are."""
     if any(isinstance(finder, _SourceFirst) for finder in sys.meta_path):
         return True
     if not pure_requested():
-        return False
+        stale = stale_builds()
+        if not stale:
+            return False
+        warnings.warn(
+            f"lmserver: {', '.join(stale)} changed after it was compiled; running every module "
+            "from source. Rebuild (pip install -e .) to run compiled, or set LMSERVER_PURE=1 "
+            "to say you mean it.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     sys.meta_path.insert(0, _SourceFirst())
     return True
 
