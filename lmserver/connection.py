@@ -52,7 +52,7 @@ import termios
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Final
 
 import structlog
 
@@ -87,17 +87,17 @@ from .tls import write_buffer_high_water
 log = structlog.get_logger("lmserver.connection")
 throttled = ThrottledWarnings(log)
 
-STAGING_SIZE = 64 * 1024
+STAGING_SIZE: Final = 64 * 1024
 """Header staging buffer: holds ~400 pipelined requests; at most this much of a body is copied."""
 
-STAGING_KEPT = 64
+STAGING_KEPT: Final = 64
 """Idle staging buffers kept on the shared free list (4 MiB); more are freed."""
 
-WRITE_PIECE = 128 * 1024
+WRITE_PIECE: Final = 128 * 1024
 """On a transport that copies unsent bytes (the standard library's), the most handed to it
 at once: what a connection whose peer does not read can make the server copy."""
 
-FLUSH_THRESHOLD = 4 * 1024 * 1024
+FLUSH_THRESHOLD: Final = 4 * 1024 * 1024
 """Reply bytes queued in one callback before they are written without waiting for its end."""
 
 SMALL_REPLY = 16 * 1024
@@ -107,18 +107,22 @@ with ``python -m bench.hotpath`` (Python work per GET): the copy wins or ties up
 and loses from 64 KiB (256 KiB: twice the cost); on loopback it also saved ~4 µs of server
 CPU per 4 KiB GET (one write of one buffer instead of a two-buffer writev and a pin)."""
 
-LINGER_S = 2.0
+LINGER_S: Final = 2.0
 """How long a gracefully closed connection keeps reading (and dropping) what the peer sends."""
 
-MAX_ACKS_IN_FLIGHT = 1024
+MAX_ACKS_IN_FLIGHT: Final = 1024
 """PUT_ACKs of one connection that may wait for the disk at once before it stops reading."""
 
-_EMPTY = memoryview(b"")
-_LIST_BATCH = 1024  # keys encoded at once into a LIST reply
-_NO_STAGING = bytearray()  # what a connection holds while it has no staging buffer
+_EMPTY: Final = memoryview(b"")
+_LIST_BATCH: Final = 1024  # keys encoded at once into a LIST reply
+_NO_STAGING: Final = bytearray()  # what a connection holds while it has no staging buffer
 _free_staging: list[mmap.mmap] = []  # shared by every connection (list ops are atomic)
 _TCP_QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)  # Linux only
-_SUCCESS, _FAIL = int(Status.SUCCESS), int(Status.FAIL)  # plain ints: cheaper dict keys on the hot path
+# Plain ints: cheaper dict keys and comparisons on the hot path.
+_SUCCESS: Final = int(Status.SUCCESS)
+_FAIL: Final = int(Status.FAIL)
+_EXIST: Final = int(Command.EXIST)
+_GET: Final = int(Command.GET)
 
 
 def _unread_input(transport: asyncio.BaseTransport) -> bool:
@@ -149,7 +153,7 @@ def _canned_replies(generation: Generation) -> dict[int, bytes]:
     }
 
 
-_CANNED = {gen: _canned_replies(gen) for gen in Generation}
+_CANNED: Final = {gen: _canned_replies(gen) for gen in Generation}
 
 
 class LMProtocol(asyncio.BufferedProtocol):
@@ -485,7 +489,14 @@ class LMProtocol(asyncio.BufferedProtocol):
                 else:
                     by_command[last] += run
                     last, run = command, 1
-                handlers[command](request, _EMPTY)
+                # EXIST and GET called directly: compiled, a direct call skips building and
+                # calling a bound method through the handlers table.
+                if command == _EXIST:
+                    self._exist(request, _EMPTY)
+                elif command == _GET:
+                    self._get(request, _EMPTY)
+                else:
+                    handlers[command](request, _EMPTY)
                 check = command not in _ANSWERED_INLINE
             if self.reply_bytes >= FLUSH_THRESHOLD:
                 self._flush()
@@ -992,10 +1003,10 @@ async def sweep(state: ServerState) -> None:
             connection.tick(now, close_idle)
 
 
-COMMAND_SLOTS = max(Command) + 1
-EXIST_HITS_SLOT = 0
+COMMAND_SLOTS: Final = max(Command) + 1
+EXIST_HITS_SLOT: Final = 0
 """``by_command`` slot 0 (no command has number 0) counts EXISTs that found their key."""
 
-_EXTENSIONS = frozenset({Command.PUT_ACK, Command.DELETE, Command.EXIST_MANY, Command.STATS})
-_ANSWERED_INLINE = frozenset({Command.EXIST, Command.HEALTH, Command.LIST, Command.STATS})
+_EXTENSIONS: Final = frozenset({Command.PUT_ACK, Command.DELETE, Command.EXIST_MANY, Command.STATS})
+_ANSWERED_INLINE: Final = frozenset({Command.EXIST, Command.HEALTH, Command.LIST, Command.STATS})
 """Commands whose handler only queues a reply: serving one cannot stop the parse loop."""

@@ -211,3 +211,35 @@ def test_random_bodies_only_raise_malformed_body(body: bytes) -> None:
             decode(body)
     lmproto.decode_presence(body)
     lmproto.decode_error_text(body)
+
+
+def _upstream_key(raw: bytes) -> str | None:
+    """The key rule of SPEC.md, written plainly: drop trailing NUL padding, decode UTF-8, refuse
+    a NUL left inside, strip whitespace on both ends. None: the request carries a problem."""
+    try:
+        key = raw.rstrip(b"\x00").decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return None if "\x00" in key else key.strip()
+
+
+# Key fields built from the pieces that matter: padding of spaces and NULs in any order,
+# Unicode whitespace, stray NULs, multi-byte characters and invalid UTF-8.
+KEY_PIECES = st.sampled_from(
+    [b" ", b"\x00", b"\t", b"\x1c", "\u3000".encode(), "\xa0".encode(), b"k", b"\xff", "é".encode()]
+)
+
+
+@FAST
+@given(st.lists(KEY_PIECES | st.binary(max_size=3), max_size=60), st.sampled_from([b" ", b"\x00"]))
+def test_key_field_decodes_as_the_plain_rule_says(pieces: list[bytes], pad: bytes) -> None:
+    raw = b"".join(pieces)[: lmproto.KEY_SIZE].ljust(lmproto.KEY_SIZE, pad)
+    frame = lmproto.encode_request(Command.EXIST, "k", generation=Generation.V0)
+    frame = frame[: -lmproto.KEY_SIZE] + raw
+    req = lmproto.decode_request(frame, Generation.V0)
+    expected = _upstream_key(raw)
+    if expected is None:
+        assert req.problem is not None and req.key == ""
+    else:
+        assert req.key == expected
+        assert (req.problem is None) == bool(expected)
