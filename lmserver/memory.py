@@ -71,9 +71,9 @@ class Entry:
 
 class MemoryVictim(Victim):
     """An evicted entry kept pinned while the Store demotes it to the first tier: its
-    buffer is not reused (nor counted free) until ``release``."""
+    buffer is not reused (nor counted free) until ``release``.
 
-    __slots__ = ("entry", "memory")
+    No ``__slots__``: compiled (mypyc), a subclass of a Python class cannot have them."""
 
     def __init__(self, memory: MemoryTier, entry: Entry) -> None:
         super().__init__(entry.key, entry.length, entry.meta)

@@ -75,8 +75,6 @@ class Victim(abc.ABC):
     ``TierError`` when they cannot be read or fail their checksum.
     """
 
-    __slots__ = ("key", "length", "meta")
-
     def __init__(self, key: str, length: int, meta: ObjectMeta) -> None:
         self.key = key
         self.length = length

@@ -30,6 +30,8 @@ from types import ModuleType
 COMPILED_MODULES = (
     "lmproto._decode",
     "lmserver.connection",
+    "lmserver.memory",
+    "lmserver.store",
 )
 """The modules mypyc compiles: the hot path (header decoders, the connection's parse/dispatch loop)."""
 
