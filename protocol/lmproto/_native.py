@@ -33,7 +33,8 @@ COMPILED_MODULES = (
     "lmserver.memory",
     "lmserver.store",
 )
-"""The modules mypyc compiles: the hot path (header decoders, the connection's parse/dispatch loop)."""
+"""The modules mypyc compiles: the hot path (header decoders, the parse/dispatch loop, and
+the memory tier and store lookups a request makes)."""
 
 PURE_ENV = "LMSERVER_PURE"
 """Set to 1 to import the Python sources even where compiled modules are present."""
