@@ -73,6 +73,9 @@ class Victim(abc.ABC):
     ``open`` and ``release`` may block (file I/O): the Store calls them from a worker
     thread. ``open`` returns the verified bytes, valid until ``release``; it raises
     ``TierError`` when they cannot be read or fail their checksum.
+
+    No ``__slots__`` here: mypyc refuses to compile a subclass (memory.MemoryVictim) of a
+    Python class that has them.
     """
 
     def __init__(self, key: str, length: int, meta: ObjectMeta) -> None:

@@ -123,9 +123,9 @@ def _maybe_space(byte: int) -> bool:
 
 def decode_reply(buf: bytes | bytearray | memoryview, generation: Generation, offset: int = 0) -> Reply:
     """Decode one reply header at ``offset``; raises RemoteProtocolError on a negative length."""
-    if generation == Generation.V0:
+    if generation is _V0:
         status, length = V0_REPLY.unpack_from(buf, offset)
-        meta = NO_META
+        meta = _NO_META
     else:
         status, length, fmt, dtype, s0, s1, s2, s3, location = V1_REPLY.unpack_from(buf, offset)
         meta = ObjectMeta(fmt, dtype, (s0, s1, s2, s3), location)
