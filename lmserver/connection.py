@@ -69,6 +69,7 @@ from lmproto import (
     Request,
     Status,
     decode_key_list,
+    decode_lookup,
     decode_request,
     detect_generation,
     encode_error_text,
@@ -470,17 +471,25 @@ class LMProtocol(asyncio.BufferedProtocol):
         while self.end - self.start >= size:
             if check and not self._can_parse():
                 break
-            try:
-                request = decode_request(staging, generation, self.start)
-            except RemoteProtocolError as exc:
-                self._fatal(str(exc))
-                break
+            # EXIST and GET without a body and with a valid key, the bulk of a pipelined burst,
+            # need only the command and key (decode_lookup: no Request built). Every other
+            # header takes decode_request.
+            command, key = decode_lookup(staging, generation, self.start)
+            if key and command in (_EXIST, _GET):
+                request = None
+            else:
+                try:
+                    request = decode_request(staging, generation, self.start)
+                except RemoteProtocolError as exc:
+                    self._fatal(str(exc))
+                    break
             self.start += size
             if self.start == self.end:
                 self.start = self.end = 0
             served += 1
-            command = request.command
-            if request.length or request.problem is not None or command not in handlers:
+            if request is not None and (
+                request.length or request.problem is not None or command not in handlers
+            ):
                 self._on_header(request)
                 check = True
             else:
@@ -491,10 +500,11 @@ class LMProtocol(asyncio.BufferedProtocol):
                     last, run = command, 1
                 # EXIST and GET called directly: compiled, a direct call skips building and
                 # calling a bound method through the handlers table.
-                if command == _EXIST:
-                    self._exist(request, _EMPTY)
-                elif command == _GET:
-                    self._get(request, _EMPTY)
+                if request is None:
+                    if command == _EXIST:
+                        self._exist_key(key)
+                    else:
+                        self._get_key(key)
                 else:
                     handlers[command](request, _EMPTY)
                 check = command not in _ANSWERED_INLINE
@@ -721,17 +731,23 @@ class LMProtocol(asyncio.BufferedProtocol):
         self._handlers[req.command](req, body)
 
     def _get(self, req: Request, body: memoryview) -> None:
-        entry = self.store.get(req.key)
+        self._get_key(req.key)
+
+    def _get_key(self, key: str) -> None:
+        entry = self.store.get(key)
         if entry is not None:
             self._reply_object(entry)
-        elif self.store.in_lower(req.key):
+        elif self.store.in_lower(key):
             self._time_start()
-            self._await(self.store.fetch(req.key), self._reply_fetched)
+            self._await(self.store.fetch(key), self._reply_fetched)
         else:
             self._reply_miss()
 
     def _exist(self, req: Request, body: memoryview) -> None:
-        if self.store.contains(req.key):
+        self._exist_key(req.key)
+
+    def _exist_key(self, key: str) -> None:
+        if self.store.contains(key):
             self.by_command[EXIST_HITS_SLOT] += 1
             self._emit_canned(_SUCCESS)
         else:

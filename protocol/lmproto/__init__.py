@@ -41,7 +41,7 @@ from ._constants import (
     MemoryFormat,
     Status,
 )
-from ._decode import decode_reply, decode_request, detect_generation
+from ._decode import decode_lookup, decode_reply, decode_request, detect_generation
 from ._decoder import NEED_DATA, ReplyDecoder, RequestDecoder
 from ._errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from ._frames import NO_META, PLACEHOLDER_META, ObjectMeta, Reply, Request
@@ -83,6 +83,7 @@ __all__ = [
     "decode_key_list",
     "decode_presence",
     "decode_reply",
+    "decode_lookup",
     "decode_request",
     "detect_generation",
     "encode_error_text",

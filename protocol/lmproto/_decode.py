@@ -38,6 +38,8 @@ _NO_META: Final = NO_META
 _REQUEST: Final = Request
 _unpack_v0_request: Final = V0_REQUEST.unpack_from
 _unpack_v1_request: Final = _V1_REQUEST_SPLIT.unpack_from
+# command, length, key: the metadata skipped (pad bytes), which EXIST and GET ignore
+_unpack_v1_lookup: Final = struct.Struct("<ii28x150s").unpack_from
 
 # ---------------------------------------------------------------------------------------
 # generation detection
@@ -71,10 +73,12 @@ def decode_request(buf: bytes | bytearray | memoryview, generation: Generation, 
     Everything else that makes a request unservable lands in ``Request.problem``.
     """
     if generation is _V0:
-        command, length, raw = _unpack_v0_request(buf, offset)
+        v0_fields: tuple[int, int, bytes] = _unpack_v0_request(buf, offset)
+        command, length, raw = v0_fields
         meta = _NO_META
     else:
-        command, length, meta_bytes, raw = _unpack_v1_request(buf, offset)
+        v1_fields: tuple[int, int, bytes, bytes] = _unpack_v1_request(buf, offset)
+        command, length, meta_bytes, raw = v1_fields
         # Not `meta = _META_CACHE.get(...)` under a type: ignore: compiled (mypyc), ``meta`` is
         # checked to be an ObjectMeta on assignment, and None would raise TypeError.
         cached = _META_CACHE.get(meta_bytes)
@@ -87,22 +91,9 @@ def decode_request(buf: bytes | bytearray | memoryview, generation: Generation, 
             meta = cached
     if length < 0:
         raise RemoteProtocolError(f"negative body length {length} (command {command})")
-    # Key: strip NUL padding, then whitespace on both ends as upstream's decoder does. Clients
-    # pad with spaces (upstream's ljust), so trailing ASCII whitespace goes first, as bytes
-    # (bytes.rstrip() without an argument: a tight loop, unlike with one): str.strip would
-    # remove it anyway, and no byte of a multi-byte UTF-8 character is ASCII. The decoded key
-    # needs str.strip, which scans all of it, only if an end byte may still be whitespace.
-    key_bytes = raw.rstrip(b"\x00") if raw[-1] == 0 else raw
-    if key_bytes and key_bytes[-1] <= 0x20:
-        key_bytes = key_bytes.rstrip()
-    try:
-        key = key_bytes.decode("utf-8")
-    except UnicodeDecodeError:
-        return Request(command, length, "", meta, generation, "key is not valid UTF-8")
-    if "\x00" in key:
-        return Request(command, length, "", meta, generation, "key contains NUL")
-    if key_bytes and (_maybe_space(key_bytes[0]) or _maybe_space(key_bytes[-1])):
-        key = key.strip()
+    key, problem = _decode_key(raw)
+    if problem:
+        return Request(command, length, "", meta, generation, problem)
     if command not in _KNOWN_COMMANDS:
         return Request(command, length, key, meta, generation, f"unknown command {command}")
     if not key and command not in _KEYLESS_COMMANDS:
@@ -110,11 +101,41 @@ def decode_request(buf: bytes | bytearray | memoryview, generation: Generation, 
     return _new_tuple(_REQUEST, (command, length, key, meta, generation, None))
 
 
-def _maybe_space(byte: int) -> bool:
-    """Whether the character a key's first or last UTF-8 byte belongs to may be whitespace
-    (``str.strip`` removes it): every whitespace character is at most U+0020 or above U+007E,
-    so a key that starts and ends with printable ASCII needs no strip."""
-    return byte <= 0x20 or byte > 0x7E
+def decode_lookup(
+    buf: bytes | bytearray | memoryview, generation: Generation, offset: int = 0
+) -> tuple[int, str]:
+    """``(command, key)`` of a request header without a body and with a valid, non-empty key;
+    else ``(command, "")``, and ``decode_request`` must decode the header.
+
+    The fast path of a server's pipelined EXIST and GET, which need nothing else: no Request
+    is built and v1 metadata is skipped. Compiled (mypyc), the result is a C struct, not a
+    tuple object. The caller guarantees enough bytes, as for decode_request.
+    """
+    unpack = _unpack_v0_request if generation is _V0 else _unpack_v1_lookup
+    fields: tuple[int, int, bytes] = unpack(buf, offset)
+    command, length, raw = fields
+    if length:
+        return command, ""
+    key, _problem = _decode_key(raw)
+    return command, key
+
+
+def _decode_key(raw: bytes) -> tuple[str, str]:
+    """``(key, "")`` or ``("", problem)``: the key rule of SPEC.md section 5 for a key field.
+
+    The rule drops trailing NUL padding, decodes strict UTF-8, refuses a NUL left inside and
+    strips whitespace on both ends. Here the whole field is decoded first, which accepts and
+    refuses the same fields (a NUL is one byte and one character in UTF-8), because every step
+    after it is then a str operation that mypyc compiles to a direct C call: no method lookup.
+    """
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "", "key is not valid UTF-8"
+    text = text.rstrip("\x00")
+    if "\x00" in text:
+        return "", "key contains NUL"
+    return text.strip(), ""
 
 
 # ---------------------------------------------------------------------------------------
