@@ -243,3 +243,28 @@ def test_key_field_decodes_as_the_plain_rule_says(pieces: list[bytes], pad: byte
     else:
         assert req.key == expected
         assert (req.problem is None) == bool(expected)
+
+
+@FAST
+@given(
+    st.lists(KEY_PIECES | st.binary(max_size=3), max_size=60),
+    st.sampled_from([b" ", b"\x00"]),
+    st.sampled_from([*Command, 0, 99, -1]),
+    st.sampled_from([0, 0, 1, 4096]),
+    st.sampled_from(list(Generation)),
+)
+def test_decode_lookup_agrees_with_decode_request(
+    pieces: list[bytes], pad: bytes, command: int, length: int, generation: Generation
+) -> None:
+    # The server's EXIST/GET fast path must see what decode_request sees, or say it cannot.
+    raw = b"".join(pieces)[: lmproto.KEY_SIZE].ljust(lmproto.KEY_SIZE, pad)
+    frame = lmproto.encode_request(Command.EXIST, "k", generation=generation)
+    frame = command.to_bytes(4, "little", signed=True) + length.to_bytes(4, "little") + frame[8:]
+    frame = frame[: -lmproto.KEY_SIZE] + raw
+    req = lmproto.decode_request(frame, generation)
+    looked_command, key = lmproto.decode_lookup(frame, generation)
+    assert looked_command == command
+    if length or _upstream_key(raw) is None:
+        assert key == ""
+    else:
+        assert key == req.key
