@@ -503,11 +503,13 @@ class LMProtocol(asyncio.BufferedProtocol):
                 if request is None:
                     if command == _EXIST:
                         self._exist_key(key)
+                        check = False  # answered inline: nothing _can_parse reads changed
                     else:
                         self._get_key(key)
+                        check = True
                 else:
                     handlers[command](request, _EMPTY)
-                check = command not in _ANSWERED_INLINE
+                    check = command not in _ANSWERED_INLINE
             if self.reply_bytes >= FLUSH_THRESHOLD:
                 self._flush()
                 check = True
@@ -1024,5 +1026,8 @@ EXIST_HITS_SLOT: Final = 0
 """``by_command`` slot 0 (no command has number 0) counts EXISTs that found their key."""
 
 _EXTENSIONS: Final = frozenset({Command.PUT_ACK, Command.DELETE, Command.EXIST_MANY, Command.STATS})
-_ANSWERED_INLINE: Final = frozenset({Command.EXIST, Command.HEALTH, Command.LIST, Command.STATS})
+# Plain ints: a set of IntEnum members answers `int in set` through a rich compare per hit.
+_ANSWERED_INLINE: Final = frozenset(
+    int(c) for c in (Command.EXIST, Command.HEALTH, Command.LIST, Command.STATS)
+)
 """Commands whose handler only queues a reply: serving one cannot stop the parse loop."""
