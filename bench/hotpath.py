@@ -5,7 +5,8 @@ Strategy: one ``LMProtocol`` on a real Store, fed request frames through
 transport. No sockets, no event-loop wakeups: what is left is the Python work per request,
 the part that compiled code or fewer steps can shrink. It also measures where copying a
 small GET reply into one buffer stops beating pinning the object and writing two buffers
-(``SMALL_REPLY`` in lmserver/connection.py): the rows ``get copy`` and ``get pin``.
+(``LMProtocol.small_reply``, default ``SMALL_REPLY`` in lmserver/connection.py): the rows
+``get copy`` and ``get pin``.
 """
 
 from __future__ import annotations
@@ -16,9 +17,8 @@ import time
 from typing import Any
 
 from lmproto import Command, Generation, ObjectMeta, encode_request
-from lmserver import connection
 from lmserver.config import ServerConfig
-from lmserver.connection import LMProtocol
+from lmserver.connection import SMALL_REPLY, LMProtocol
 from lmserver.server import Server
 
 
@@ -68,10 +68,13 @@ def _feed(proto: LMProtocol, data: bytes) -> None:
     proto.buffer_updated(len(data))
 
 
-async def _measure(command: Command, size: int, depth: int, requests: int) -> float:
+async def _measure(
+    command: Command, size: int, depth: int, requests: int, small_reply: int = SMALL_REPLY
+) -> float:
     server = Server(ServerConfig(host="127.0.0.1", port=0, memory_limit=1 << 30))
     await server.state.store.open()
     proto = LMProtocol(server.state)
+    proto.small_reply = small_reply
     proto.connection_made(_Transport())  # type: ignore[arg-type]
     meta = ObjectMeta(1, 2, (3, 4, 5, 6), 7)
     put = encode_request(Command.PUT, "hot-key", size, generation=Generation.V1, meta=meta)
@@ -97,13 +100,10 @@ def main() -> None:
     rows: list[tuple[str, int, int, float]] = []
     for depth in (1, 16):
         rows.append(("exist", 0, depth, asyncio.run(_measure(Command.EXIST, 4096, depth, args.requests))))
-    default = connection.SMALL_REPLY
     for size in (1024, 4096, 16 * 1024, 64 * 1024, 256 * 1024):
         for mode, threshold in (("copy", 1 << 30), ("pin", -1)):
-            connection.SMALL_REPLY = threshold
-            us = asyncio.run(_measure(Command.GET, size, 1, args.requests // 4))
+            us = asyncio.run(_measure(Command.GET, size, 1, args.requests // 4, threshold))
             rows.append((f"get {mode}", size, 1, us))
-    connection.SMALL_REPLY = default
     print("| request | object bytes | depth | µs per request |")
     print("|---|---|---|---|")
     for name, size, depth, us in rows:

@@ -101,12 +101,13 @@ at once: what a connection whose peer does not read can make the server copy."""
 FLUSH_THRESHOLD: Final = 4 * 1024 * 1024
 """Reply bytes queued in one callback before they are written without waiting for its end."""
 
-SMALL_REPLY = 16 * 1024
-"""GET replies up to this size are copied into one bytes object and the object unpinned at
-once; larger ones go out as header + the object's own buffer, pinned until sent. Measured
-with ``python -m bench.hotpath`` (Python work per GET): the copy wins or ties up to 16 KiB
-and loses from 64 KiB (256 KiB: twice the cost); on loopback it also saved ~4 µs of server
-CPU per 4 KiB GET (one write of one buffer instead of a two-buffer writev and a pin)."""
+SMALL_REPLY: Final = 16 * 1024
+"""GET replies up to this size (the default of ``LMProtocol.small_reply``, which
+bench/hotpath.py varies) are copied into one bytes object and the object unpinned at once;
+larger ones go out as header + the object's own buffer, pinned until sent. Measured with
+``python -m bench.hotpath`` (Python work per GET): the copy wins or ties up to 16 KiB and
+loses from 64 KiB (256 KiB: twice the cost); on loopback it also saved ~4 µs of server CPU
+per 4 KiB GET (one write of one buffer instead of a two-buffer writev and a pin)."""
 
 LINGER_S: Final = 2.0
 """How long a gracefully closed connection keeps reading (and dropping) what the peer sends."""
@@ -164,6 +165,7 @@ class LMProtocol(asyncio.BufferedProtocol):
         self.store = state.store
         self.config = state.config
         self.counters = state.counters
+        self.small_reply = SMALL_REPLY
 
         # Per-connection state
         self.transport: asyncio.Transport | None = None
@@ -847,8 +849,8 @@ class LMProtocol(asyncio.BufferedProtocol):
             entry.reply_header = encode_reply(Status.SUCCESS, entry.length, generation=generation, meta=meta)
             entry.reply_generation = generation
         header = entry.reply_header
-        if entry.length <= SMALL_REPLY:
-            self._emit(header + entry.view)  # one small copy instead of a pin held until sent
+        if entry.length <= self.small_reply:
+            self._emit_one(header + entry.view)  # one small copy instead of a pin held until sent
             self.store.memory.unpin(entry)
         else:
             self._emit(header, entry.view, pin=entry)
@@ -857,12 +859,15 @@ class LMProtocol(asyncio.BufferedProtocol):
 
     def _emit_canned(self, status: int) -> None:
         """A reply with no body: one precomputed header (the common case, kept fast)."""
-        header = self._canned[status]
+        self._emit_one(self._canned[status])
+
+    def _emit_one(self, reply: bytes) -> None:
+        """Queue a reply that is one buffer (no pin): _emit without its tuple and loop."""
         if self.held:
-            self._emit(header)
+            self._emit(reply)
         else:
-            self.replies.append(header)
-            self.reply_bytes += len(header)
+            self.replies.append(reply)
+            self.reply_bytes += len(reply)
 
     def _emit(self, *buffers: bytes | memoryview, pin: Entry | None = None) -> None:
         """Queue one reply (header and body as separate buffers), behind held ones if any."""
@@ -878,7 +883,8 @@ class LMProtocol(asyncio.BufferedProtocol):
         self.replies += buffers
         if pin is not None:
             self.reply_pins.append(pin)
-        self.reply_bytes += sum(map(len, buffers))
+        for buffer in buffers:  # not sum(map(len, ...)): compiled, builtins are looked up per call
+            self.reply_bytes += len(buffer)
 
     def _flush(self) -> None:
         if not self.replies or self.closed:
