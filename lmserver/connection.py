@@ -413,8 +413,10 @@ class LMProtocol(asyncio.BufferedProtocol):
             return self.body[self.body_pos : self.body_limit]
         if not self.staging:
             self._take_staging()
-        if self.discard_left:
-            return self.staging_view  # staging is empty whenever a body is being received
+        if self.discard_left or not self.end:
+            # Empty staging (always so while a body is dropped; usually so between
+            # sequential requests): the whole view as it is, no slice to build per read.
+            return self.staging_view
         if self.start and self.end + 512 > STAGING_SIZE:
             # Move a partial header to the front so a whole one always fits.
             pending = self.end - self.start
