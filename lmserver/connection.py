@@ -740,8 +740,12 @@ class LMProtocol(asyncio.BufferedProtocol):
         self._get_key(req.key)
 
     def _get_key(self, key: str) -> None:
-        entry = self.store.get(key)
-        if entry is not None:
+        entry, copy = self.store.read(key, self.small_reply)
+        if copy is not None:
+            assert entry is not None
+            self._emit_one(self._reply_header(entry) + copy)  # a copy: nothing to unpin
+            self._count_get(entry)
+        elif entry is not None:
             self._reply_object(entry)
         elif self.store.in_lower(key):
             self._time_start()
@@ -843,19 +847,30 @@ class LMProtocol(asyncio.BufferedProtocol):
             self._emit_canned(status)
 
     def _reply_object(self, entry: Entry) -> None:
-        """A GET hit: header with the stored metadata, then the object's own buffer."""
+        """A GET hit on a pinned entry: header with the stored metadata, then its bytes."""
+        header = self._reply_header(entry)
+        if entry.length <= self.small_reply:
+            # One small copy instead of a pin held until sent. Sliced from the mmap, not
+            # through entry.view: bytes + memoryview takes the generic buffer path (1.1
+            # against 0.3-0.7 µs for 4 KiB here).
+            self._emit_one(header + entry.buffer[: entry.length])
+            self.store.memory.unpin(entry)
+        else:
+            self._emit(header, entry.view, pin=entry)
+        self._count_get(entry)
+
+    def _reply_header(self, entry: Entry) -> bytes:
+        """The GET reply header of ``entry`` for this connection's frame generation, cached
+        on the entry (its status, length and metadata never change once stored)."""
         generation = self.generation
         assert generation is not None
         if entry.reply_generation is not generation:
             meta: ObjectMeta = entry.meta
             entry.reply_header = encode_reply(Status.SUCCESS, entry.length, generation=generation, meta=meta)
             entry.reply_generation = generation
-        header = entry.reply_header
-        if entry.length <= self.small_reply:
-            self._emit_one(header + entry.view)  # one small copy instead of a pin held until sent
-            self.store.memory.unpin(entry)
-        else:
-            self._emit(header, entry.view, pin=entry)
+        return entry.reply_header
+
+    def _count_get(self, entry: Entry) -> None:
         self.counters["gets_served"] += 1
         self.counters["get_bytes"] += entry.length
 

@@ -318,11 +318,15 @@ class Store:
 
     def get(self, key: str) -> Entry | None:
         """A pinned memory hit (the caller unpins once sent), else None."""
-        entry = self.memory.get(key)
-        if entry is not None:
+        return self.read(key, -1)[0]
+
+    def read(self, key: str, copy_up_to: int) -> tuple[Entry | None, bytes | None]:
+        """A memory hit as ``MemoryTier.read`` gives it: small objects copied, not pinned."""
+        found = self.memory.read(key, copy_up_to)
+        if found[0] is not None:
             for link in self.links:
                 link.tier.touch(key)
-        return entry
+        return found
 
     def in_lower(self, key: str) -> bool:
         return key in self._victims or any(link.readable(key) for link in self.links)

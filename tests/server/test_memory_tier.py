@@ -93,6 +93,27 @@ def test_pinned_objects_are_not_evicted_and_memory_is_freed_on_unpin() -> None:
     assert tier.reserve(4096) is not None
 
 
+def test_read_copies_small_objects_unpinned_and_pins_larger_ones() -> None:
+    tier = MemoryTier(3 * 4096, shards=2)
+    store(tier, "small", b"s" * 100)
+    store(tier, "large", b"l" * 4096)
+    entry, copy = tier.read("small", 1000)
+    assert entry is not None and copy == b"s" * 100 and entry.pins == 0
+    tier.delete("small")  # nothing pinned it: its buffer goes back at once ...
+    assert tier.pool.in_use == 4096 and copy == b"s" * 100  # ... and the copy is the reader's
+    entry, copy = tier.read("large", 1000)
+    assert entry is not None and copy is None and entry.pins == 1  # as get() pins
+    assert bytes(entry.view) == b"l" * 4096
+    tier.unpin(entry)
+    store(tier, "empty", b"")
+    entry, copy = tier.read("empty", 1000)
+    assert entry is not None and copy == b""  # an empty object is a hit with no bytes
+    assert tier.read("absent", 1000) == (None, None)
+    entry, copy = tier.read("large", 4096)  # the limit is inclusive
+    assert copy == b"l" * 4096
+    assert (tier.counters.hits, tier.counters.misses) == (4, 1)
+
+
 def test_overwrite_and_abort_account_exactly() -> None:
     tier = MemoryTier(MiB)
     store(tier, "k", b"1" * 1000)
