@@ -105,9 +105,10 @@ SMALL_REPLY: Final = 16 * 1024
 """GET replies up to this size (the default of ``LMProtocol.small_reply``, which
 bench/hotpath.py varies) are copied into one bytes object and the object unpinned at once;
 larger ones go out as header + the object's own buffer, pinned until sent. Measured with
-``python -m bench.hotpath`` (Python work per GET): the copy wins or ties up to 16 KiB and
-loses from 64 KiB (256 KiB: twice the cost); on loopback it also saved ~4 µs of server CPU
-per 4 KiB GET (one write of one buffer instead of a two-buffer writev and a pin)."""
+``python -m bench.hotpath`` (Python work per GET): the copy (MemoryTier.read) costs
+0.74-0.87x the pinned path at 1-16 KiB and 1.5-2.3x at 64 KiB; at 256 KiB each of its two
+allocations maps fresh pages (40x). On loopback it also saved ~4 µs of server CPU per 4 KiB
+GET (one write of one buffer instead of a two-buffer writev and a pin)."""
 
 LINGER_S: Final = 2.0
 """How long a gracefully closed connection keeps reading (and dropping) what the peer sends."""
