@@ -153,6 +153,41 @@ def test_nul_padded_keys_are_accepted(server_thread) -> None:
     assert (reply.status, body) == (200, b"v")
 
 
+def test_pipelined_lookups_take_the_fast_path_or_the_full_decode_as_their_key_field_says(
+    wire: Wire,
+) -> None:
+    # EXIST and GET with a valid key are served from (command, key) alone; every other key
+    # field goes through the full decode. One burst mixes both, and answers stay in order.
+    wire.put("k1", b"small")
+    wire.put("big", b"B" * (64 * 1024))  # above the copied-reply size: sent pinned
+
+    def frame(command: int, field: bytes) -> bytes:
+        header = wire.frame(command, "x")
+        return header[:-150] + field.ljust(150, b" ")
+
+    expected: list[tuple[int, bytes]] = []
+    burst = b""
+    for command, field, answer in [
+        (Command.EXIST, b"k1", (200, b"")),
+        (Command.GET, b"k1", (200, b"small")),
+        (Command.GET, b"big", (200, b"B" * (64 * 1024))),
+        (Command.EXIST, b" \tk1\t", (200, b"")),  # whitespace around the key is not the key
+        (Command.GET, b"k1".ljust(150, b"\x00"), (200, b"small")),  # NUL padding
+        (Command.GET, b"\xff\xfek1", (400, b"")),  # not UTF-8
+        (Command.EXIST, b"", (400, b"")),  # empty key
+        (Command.EXIST, b"k1\x00x", (400, b"")),  # NUL inside the key
+        (Command.EXIST, b"missing", (400, b"")),
+        (77, b"k1", (400, b"")),  # unknown command
+        (Command.EXIST, b"k1", (200, b"")),
+    ]:
+        burst += frame(command, field)
+        expected.append(answer)
+    wire.send_raw(burst)
+    for status, body in expected:
+        reply, got = wire.reply()
+        assert (reply.status, got) == (status, body)
+
+
 def test_pipelined_requests_are_answered_in_order(wire: Wire) -> None:
     burst = b"".join(wire.frame(Command.PUT, f"p{i}", f"value-{i}".encode()) for i in range(150))
     burst += b"".join(wire.frame(Command.GET, f"p{i}") for i in range(150))
