@@ -1,7 +1,8 @@
 """Build hook: compiles the server's hot path with mypyc. Everything else is in pyproject.toml.
 
 * Default: the modules in ``lmproto._native.COMPILED_MODULES`` are compiled into extension
-  modules installed beside their sources (``pip install .``, ``pip install -e .``,
+  modules installed beside their sources: by mypyc, except ``HAND_WRITTEN_C``, which are built
+  from their C twin (``lmproto/_lookup.c``) (``pip install .``, ``pip install -e .``,
   ``python setup.py build_ext --inplace``).
 * ``LMSERVER_COMPILE=0``: pure Python.
 * Every run first deletes compiled modules that earlier builds left in the source tree or in
@@ -20,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
@@ -38,20 +39,19 @@ def _warn(message: str) -> None:
     print(f"lmserver setup.py: WARNING: {message}", file=sys.stderr)
 
 
-def _compiled_modules() -> list[str]:
-    """COMPILED_MODULES from protocol/lmproto/_native.py, read without importing the package."""
+def _native_list(name: str) -> list[str]:
+    """A tuple of module names from protocol/lmproto/_native.py, read without importing it."""
     tree = ast.parse((ROOT / "protocol" / "lmproto" / "_native.py").read_text())
     for node in tree.body:
-        if isinstance(node, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id == "COMPILED_MODULES" for t in node.targets
-        ):
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
             return list(ast.literal_eval(node.value))
-    raise RuntimeError("COMPILED_MODULES not found in protocol/lmproto/_native.py")
+    raise RuntimeError(f"{name} not found in protocol/lmproto/_native.py")
 
 
-def _source(module: str) -> str:
+def _source(module: str, ext: str = ".py") -> str:
     """The source file of a module, relative to ROOT (lmproto lives under protocol/)."""
-    path = module.replace(".", "/") + ".py"
+    path = module.replace(".", "/") + ext
     return f"protocol/{path}" if module.startswith("lmproto.") else path
 
 
@@ -129,11 +129,20 @@ class BuildExt(build_ext):
             _remove_old_builds()
 
 
+def _c_extensions(modules: list[str]) -> list[Extension]:
+    """The hand-written C twins (lmproto/_lookup.c): plain extensions, compiled like mypyc's."""
+    return [Extension(m, [_source(m, ".c")], extra_compile_args=["-O3"]) for m in modules]
+
+
 def _ext_modules() -> list[Any]:
     _remove_old_builds()
     if os.environ.get(COMPILE_ENV, "1") == "0":
         return []
-    return _mypyc_extensions(_compiled_modules())
+    hand_written = _native_list("HAND_WRITTEN_C")
+    by_mypyc = [m for m in _native_list("COMPILED_MODULES") if m not in hand_written]
+    mypyc = _mypyc_extensions(by_mypyc)
+    # All or none, as BuildExt: a mypyc failure leaves no C twin either.
+    return mypyc + _c_extensions(hand_written) if mypyc else []
 
 
 setup(ext_modules=_ext_modules(), cmdclass={"build_ext": BuildExt})

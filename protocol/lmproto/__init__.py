@@ -41,10 +41,11 @@ from ._constants import (
     MemoryFormat,
     Status,
 )
-from ._decode import decode_lookup, decode_reply, decode_request, detect_generation
+from ._decode import decode_reply, decode_request, detect_generation
 from ._decoder import NEED_DATA, ReplyDecoder, RequestDecoder
 from ._errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from ._frames import NO_META, PLACEHOLDER_META, ObjectMeta, Reply, Request
+from ._lookup import decode_lookup
 
 __all__ = [
     "DETECT_SIZE",

@@ -38,8 +38,6 @@ _NO_META: Final = NO_META
 _REQUEST: Final = Request
 _unpack_v0_request: Final = V0_REQUEST.unpack_from
 _unpack_v1_request: Final = _V1_REQUEST_SPLIT.unpack_from
-# command, length, key: the metadata skipped (pad bytes), which EXIST and GET ignore
-_unpack_v1_lookup: Final = struct.Struct("<ii28x150s").unpack_from
 
 # ---------------------------------------------------------------------------------------
 # generation detection
@@ -99,25 +97,6 @@ def decode_request(buf: bytes | bytearray | memoryview, generation: Generation, 
     if not key and command not in _KEYLESS_COMMANDS:
         return Request(command, length, key, meta, generation, "empty key")
     return _new_tuple(_REQUEST, (command, length, key, meta, generation, None))
-
-
-def decode_lookup(
-    buf: bytes | bytearray | memoryview, generation: Generation, offset: int = 0
-) -> tuple[int, str]:
-    """``(command, key)`` of a request header without a body and with a valid, non-empty key;
-    else ``(command, "")``, and ``decode_request`` must decode the header.
-
-    The fast path of a server's pipelined EXIST and GET, which need nothing else: no Request
-    is built and v1 metadata is skipped. Compiled (mypyc), the result is a C struct, not a
-    tuple object. The caller guarantees enough bytes, as for decode_request.
-    """
-    unpack = _unpack_v0_request if generation is _V0 else _unpack_v1_lookup
-    fields: tuple[int, int, bytes] = unpack(buf, offset)
-    command, length, raw = fields
-    if length:
-        return command, ""
-    key, _problem = _decode_key(raw)
-    return command, key
 
 
 def _decode_key(raw: bytes) -> tuple[str, str]:

@@ -1,7 +1,8 @@
 """Which modules a build compiles with mypyc, whether they run compiled, and how to ignore them.
 
 Strategy: ``setup.py`` compiles the modules in ``COMPILED_MODULES`` (it reads this tuple
-from this file's source, so there is one list) into extension modules that sit beside their
+from this file's source, so there is one list; mypyc compiles all but ``HAND_WRITTEN_C``,
+which have a C twin) into extension modules that sit beside their
 ``.py`` sources, and Python imports an extension module before a source file of the same
 name. ``LMSERVER_PURE=1`` in the environment installs a finder that imports the sources
 instead, so one installation can run, and be tested, both ways. It is read once, when
@@ -29,12 +30,17 @@ from types import ModuleType
 
 COMPILED_MODULES = (
     "lmproto._decode",
+    "lmproto._lookup",
     "lmserver.connection",
     "lmserver.memory",
     "lmserver.store",
 )
-"""The modules mypyc compiles: the hot path (header decoders, the parse/dispatch loop, and
+"""The modules a build compiles: the hot path (header decoders, the parse/dispatch loop, and
 the memory tier and store lookups a request makes)."""
+
+HAND_WRITTEN_C = ("lmproto._lookup",)
+"""The modules of ``COMPILED_MODULES`` compiled from a C twin (``<module>.c`` beside its
+``.py``) rather than by mypyc. The ``.py`` stays the reference and the pure build."""
 
 PURE_ENV = "LMSERVER_PURE"
 """Set to 1 to import the Python sources even where compiled modules are present."""
@@ -76,16 +82,18 @@ def _package_folders(package: str) -> list[str]:
 
 
 def stale_builds(modules: Sequence[str] = COMPILED_MODULES) -> list[str]:
-    """The modules whose compiled file is older than their source by more than STALE_AFTER."""
+    """The modules whose compiled file is older than one of their sources (the ``.py``, and the
+    ``.c`` of a hand-written module) by more than STALE_AFTER."""
     stale = []
     for name in modules:
         package, _, leaf = name.rpartition(".")
         for folder in _package_folders(package):
-            source = os.path.join(folder, leaf + ".py")
+            sources = [os.path.join(folder, leaf + ext) for ext in (".py", ".c")]
+            edited = [os.path.getmtime(s) for s in sources if os.path.isfile(s)]
             suffixes = importlib.machinery.EXTENSION_SUFFIXES
             builds = [os.path.join(folder, leaf + suffix) for suffix in suffixes]
             built = [os.path.getmtime(b) for b in builds if os.path.isfile(b)]
-            if built and os.path.isfile(source) and os.path.getmtime(source) > max(built) + STALE_AFTER:
+            if built and edited and max(edited) > max(built) + STALE_AFTER:
                 stale.append(name)
     return stale
 

@@ -1,0 +1,185 @@
+/* decode_lookup in C: the twin of _lookup.py, which documents the behaviour and is the
+ * reference (a test compares the two on every kind of header). Read that file first.
+ *
+ * For an ASCII key field, the key rule of SPEC.md section 5 (drop trailing NUL padding,
+ * refuse a NUL left inside, strip whitespace at both ends) is a scan of at most 150 bytes
+ * in place: no bytes object for the field, no decode, no str.strip walking the padding. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define KEY_SIZE 150
+#define V0_KEY_AT 8  /* command, length */
+#define V1_KEY_AT 36 /* command, length, 7 metadata ints */
+
+/* The ASCII characters str.isspace() accepts, so that the scan strips what str.strip() does. */
+static int
+is_space(unsigned char c)
+{
+    return c == ' ' || (c >= '\t' && c <= '\r') || (c >= 0x1c && c <= 0x1f);
+}
+
+static int32_t
+read_i32_le(const unsigned char *p)
+{
+    return (int32_t)((uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24);
+}
+
+/* Eight bytes at a time: the field is mostly padding (LMCache pads a ~40-byte key with
+ * spaces, struct.pack with NULs), and a byte loop over it was a quarter of a lookup. */
+#define ONES 0x0101010101010101ULL
+#define HIGHS 0x8080808080808080ULL
+
+static uint64_t
+load8(const unsigned char *p)
+{
+    uint64_t word;
+    memcpy(&word, p, sizeof word);
+    return word;
+}
+
+/* Where field[0:end] ends once trailing `pad` bytes are dropped. */
+static Py_ssize_t
+drop_trailing(const unsigned char *field, Py_ssize_t end, unsigned char pad)
+{
+    const uint64_t padding = ONES * pad;
+    while (end >= 8 && load8(field + end - 8) == padding) {
+        end -= 8;
+    }
+    while (end > 0 && field[end - 1] == pad) {
+        end--;
+    }
+    return end;
+}
+
+/* Whether field[0:end] holds a NUL or a byte >= 0x80. Per word: a byte >= 0x80 sets its high
+ * bit in `word`, a zero byte borrows into its high bit in `word - ONES`; a borrow into a byte
+ * that is neither comes only from a zero byte below it, which is a hit anyway. */
+static int
+nul_or_not_ascii(const unsigned char *field, Py_ssize_t end)
+{
+    Py_ssize_t i = 0;
+    for (; i + 8 <= end; i += 8) {
+        uint64_t word = load8(field + i);
+        if (((word - ONES) | word) & HIGHS) {
+            return 1;
+        }
+    }
+    for (; i < end; i++) {
+        if (field[i] == 0 || field[i] >= 0x80) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* The key in field[0:KEY_SIZE] as a new str, or a new reference to "" when the field is not
+ * all ASCII, breaks the rule or holds an empty key. NULL with an exception on failure. */
+static PyObject *
+ascii_key(const unsigned char *field)
+{
+    Py_ssize_t end = drop_trailing(field, KEY_SIZE, 0);
+    if (nul_or_not_ascii(field, end)) { /* a NUL inside, or not ASCII */
+        return PyUnicode_New(0, 0);
+    }
+    end = drop_trailing(field, end, ' ');
+    while (end > 0 && is_space(field[end - 1])) {
+        end--;
+    }
+    Py_ssize_t start = 0;
+    while (start < end && is_space(field[start])) {
+        start++;
+    }
+    PyObject *key = PyUnicode_New(end - start, 127);
+    if (key != NULL && end > start) {
+        memcpy(PyUnicode_DATA(key), field + start, (size_t)(end - start));
+    }
+    return key;
+}
+
+static PyObject *
+no_header(void)
+{
+    PyErr_SetString(PyExc_ValueError, "the buffer holds no whole request header at this offset");
+    return NULL;
+}
+
+static PyObject *
+decode_lookup(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs < 2 || nargs > 3) {
+        PyErr_SetString(PyExc_TypeError, "decode_lookup(buf, generation, offset=0)");
+        return NULL;
+    }
+    long generation = PyLong_Check(args[1]) ? PyLong_AsLong(args[1]) : -1;
+    if (generation != 0 && generation != 1) {
+        PyErr_Clear(); /* an overflow reads as -1 with an OverflowError set */
+        PyErr_Format(PyExc_ValueError, "generation must be 0 or 1, not %R", args[1]);
+        return NULL;
+    }
+    Py_ssize_t offset = 0;
+    if (nargs == 3) {
+        offset = PyLong_AsSsize_t(args[2]);
+        if (offset == -1 && PyErr_Occurred()) {
+            if (!PyErr_ExceptionMatches(PyExc_OverflowError)) {
+                return NULL; /* not an int: TypeError, as the Python twin */
+            }
+            PyErr_Clear();
+            return no_header();
+        }
+    }
+    Py_ssize_t key_at = generation ? V1_KEY_AT : V0_KEY_AT;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    if (offset < 0 || view.len - offset < key_at + KEY_SIZE) {
+        PyBuffer_Release(&view);
+        return no_header();
+    }
+    const unsigned char *header = (const unsigned char *)view.buf + offset;
+    int32_t command = read_i32_le(header);
+    int32_t length = read_i32_le(header + 4);
+    PyObject *key = length ? PyUnicode_New(0, 0) : ascii_key(header + key_at);
+    PyBuffer_Release(&view);
+    if (key == NULL) {
+        return NULL;
+    }
+    PyObject *number = PyLong_FromLong(command);
+    if (number == NULL) {
+        Py_DECREF(key);
+        return NULL;
+    }
+    PyObject *result = PyTuple_New(2);
+    if (result == NULL) {
+        Py_DECREF(number);
+        Py_DECREF(key);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(result, 0, number); /* steals both references */
+    PyTuple_SET_ITEM(result, 1, key);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"decode_lookup", (PyCFunction)(void (*)(void))decode_lookup, METH_FASTCALL,
+     "decode_lookup(buf, generation, offset=0) -> (command, key): see lmproto/_lookup.py."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef lookup_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "lmproto._lookup",
+    .m_doc = "decode_lookup compiled: the C twin of lmproto/_lookup.py.",
+    .m_size = 0,
+    .m_methods = methods,
+};
+
+PyMODINIT_FUNC
+PyInit__lookup(void)
+{
+    return PyModuleDef_Init(&lookup_module);
+}

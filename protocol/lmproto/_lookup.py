@@ -1,0 +1,51 @@
+"""``decode_lookup``: command and key of a bodiless request header, the server's fast path.
+
+Strategy: two twins with one behaviour. ``_lookup.c`` is the one a build compiles (setup.py,
+``HAND_WRITTEN_C`` in lmproto/_native.py) and Python imports when it is there; this file is the
+reference, and what runs in a pure install or with ``LMSERVER_PURE=1``. A test feeds both the
+same headers and compares every answer and every error.
+
+Why C and not mypyc: after mypyc, finding the key in its 150-byte field was the largest share
+of a pipelined lookup's CPU (``struct`` unpacking, a bytes object for the field, a str decode,
+``rstrip`` and ``strip`` walking the padding one character at a time). The C twin reads the
+two integers and scans the field in place, and builds only the key's str.
+
+Only fields that are all ASCII are decoded here: anything else (a UTF-8 key, which is legal
+but which LMCache never sends) answers ``""`` and the caller decodes the header with
+``decode_request``, which applies the whole key rule. That keeps the C twin small: for ASCII,
+the rule of SPEC.md section 5 is a byte scan.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Final
+
+from ._constants import KEY_SIZE, V0_REQUEST, Generation
+from ._decode import _decode_key
+
+_KEY_AT: Final = (V0_REQUEST.size - KEY_SIZE, struct.calcsize("<ii28x"))  # by generation
+_unpack_v0: Final = V0_REQUEST.unpack_from
+_unpack_v1: Final = struct.Struct("<ii28x150s").unpack_from  # metadata skipped as pad bytes
+
+
+def decode_lookup(
+    buf: bytes | bytearray | memoryview, generation: Generation, offset: int = 0
+) -> tuple[int, str]:
+    """``(command, key)`` of the request header at ``offset``, if it has no body and its key
+    field is ASCII and holds a valid, non-empty key; else ``(command, "")``, and the caller
+    must decode the header with ``decode_request``.
+
+    EXIST and GET need nothing else, so the server builds no Request for them. ``buf`` is a
+    buffer of bytes (bytes, bytearray, mmap, a byte memoryview); ``generation`` is 0 or 1.
+    Raises ValueError for any other generation, a negative offset or too few bytes.
+    """
+    if generation != 0 and generation != 1:
+        raise ValueError(f"generation must be 0 or 1, not {generation!r}")
+    if offset < 0 or len(buf) - offset < _KEY_AT[generation] + KEY_SIZE:
+        raise ValueError("the buffer holds no whole request header at this offset")
+    fields: tuple[int, int, bytes] = (_unpack_v1 if generation else _unpack_v0)(buf, offset)
+    command, length, raw = fields
+    if length or not raw.isascii():
+        return command, ""
+    return command, _decode_key(raw)[0]

@@ -1,0 +1,109 @@
+"""decode_lookup's two twins (lmproto/_lookup.c compiled, lmproto/_lookup.py the reference)
+give the same answer and the same error for every input.
+
+In a pure install, or with LMSERVER_PURE=1, both sides are the Python twin and this file checks
+nothing new; CI's compiled run (LMSERVER_EXPECT_COMPILED=1) is the one that compares them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import mmap
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_lmproto_properties import ASCII_EDGES, KEY_PIECES
+
+import lmproto
+from lmproto import Command, Generation, _lookup, _native
+
+FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+# The Python twin loaded from its file under another name, whatever `lmproto._lookup` is.
+_twin = Path(lmproto.__file__ or "").parent / "_lookup.py"
+_spec = importlib.util.spec_from_file_location("lmproto._lookup_reference", _twin)
+assert _spec is not None and _spec.loader is not None
+reference = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(reference)
+
+
+def _answer(decode: Callable[..., Any], *args: Any) -> Any:
+    try:
+        return decode(*args)
+    except (ValueError, TypeError) as exc:
+        return type(exc), str(exc) if isinstance(exc, ValueError) else ""
+
+
+def _same(*args: Any) -> None:
+    assert _answer(_lookup.decode_lookup, *args) == _answer(reference.decode_lookup, *args), args
+
+
+def test_the_installed_twin_is_what_the_build_says() -> None:
+    assert "lmproto._lookup" in _native.HAND_WRITTEN_C
+    assert lmproto.decode_lookup is _lookup.decode_lookup
+    assert isinstance(_lookup.decode_lookup, types.BuiltinFunctionType) == _native.is_compiled(_lookup)
+    assert isinstance(reference.decode_lookup, types.FunctionType)
+
+
+PIECES = KEY_PIECES | ASCII_EDGES | st.sampled_from([b"@", b"\x85"])
+
+
+@FAST
+@given(
+    st.lists(PIECES | st.binary(max_size=4), max_size=70),
+    st.sampled_from([b" ", b"\x00"]),
+    st.sampled_from([*Command, 0, -1, 2**31 - 1, -(2**31)]),
+    st.sampled_from([0, 0, 1, -1, 4096, 2**31 - 1]),
+    st.sampled_from([0, 1, Generation.V0, Generation.V1]),
+    st.binary(max_size=5),
+    st.sampled_from([bytes, bytearray, memoryview, "mmap"]),
+)
+def test_twins_agree_on_every_header(
+    pieces: list[bytes], pad: bytes, command: int, length: int, generation: int, before: bytes, kind: Any
+) -> None:
+    raw = b"".join(pieces)[: lmproto.KEY_SIZE].ljust(lmproto.KEY_SIZE, pad)
+    header = lmproto.encode_request(Command.EXIST, "k", generation=Generation(generation))
+    numbers = command.to_bytes(4, "little", signed=True) + length.to_bytes(4, "little", signed=True)
+    header = numbers + header[8:]
+    data = before + header[: -lmproto.KEY_SIZE] + raw + b"tail"
+    if kind == "mmap":
+        buf: Any = mmap.mmap(-1, len(data))
+        buf[:] = data
+    else:
+        buf = kind(data)
+    _same(buf, generation, len(before))
+    if not before:
+        _same(buf, generation)
+    # every offset that leaves too few bytes, or none
+    _same(buf, generation, len(data) - len(header) + 1)
+    _same(buf, generation, len(data))
+    _same(buf, generation, -1)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        (bytes(186), 2),
+        (bytes(186), -1),
+        (bytes(186), 2**70),
+        (bytes(186), "1"),
+        (bytes(186), None),
+        (bytes(186), 0, 2**70),
+        (bytes(186), 0, -(2**70)),
+        (bytes(186), 0, "0"),
+        (bytes(157), 0),
+        (bytes(185), 1),
+        (bytes(158), 0),
+        (bytes(186), 1),
+        ("not a buffer" * 20, 0),
+        (bytes(186),),
+        (bytes(186), 0, 0, 0),
+    ],
+)
+def test_twins_agree_on_bad_arguments(args: tuple[Any, ...]) -> None:
+    _same(*args)
