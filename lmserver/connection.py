@@ -94,6 +94,10 @@ STAGING_SIZE: Final = 64 * 1024
 STAGING_KEPT: Final = 64
 """Idle staging buffers kept on the shared free list (4 MiB); more are freed."""
 
+JOIN_AVERAGE: Final = 256
+"""Replies queued in one turn that average at most this many bytes are joined into one
+write: per buffer, a ``writelines`` costs more than copying a small one (pipelined EXISTs)."""
+
 WRITE_PIECE: Final = 128 * 1024
 """On a transport that copies unsent bytes (the standard library's), the most handed to it
 at once: what a connection whose peer does not read can make the server copy."""
@@ -124,6 +128,8 @@ _TCP_QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)  # Linux only
 # Plain ints: cheaper dict keys and comparisons on the hot path.
 _SUCCESS: Final = int(Status.SUCCESS)
 _FAIL: Final = int(Status.FAIL)
+# Not compiled by mypyc (a C twin): Final, so not looked up in the module dict per call.
+_decode_lookup: Final = decode_lookup
 _EXIST: Final = int(Command.EXIST)
 _GET: Final = int(Command.GET)
 
@@ -151,8 +157,10 @@ class _Held:
 
 
 def _canned_replies(generation: Generation) -> dict[int, bytes]:
+    # Plain int keys: looked up with a plain int, an IntEnum key costs a rich compare per hit.
     return {
-        status: encode_reply(status, 0, generation=generation, meta=PLACEHOLDER_META) for status in Status
+        int(status): encode_reply(status, 0, generation=generation, meta=PLACEHOLDER_META)
+        for status in Status
     }
 
 
@@ -174,8 +182,12 @@ class LMProtocol(asyncio.BufferedProtocol):
         self.generation: Generation | None = {"v0": Generation.V0, "v1": Generation.V1}.get(
             self.config.protocol
         )
-        # Bodiless replies of this connection's generation, encoded once.
-        self._canned = _CANNED[self.generation] if self.generation is not None else {}
+        # Bodiless replies of this connection's generation, encoded once; EXIST's two answers
+        # also as attributes (no dict lookup per pipelined EXIST). Set by _use_generation.
+        self._canned: dict[int, bytes] = {}
+        self._canned_hit = self._canned_miss = b""
+        if self.generation is not None:
+            self._use_generation(self.generation)
         self.staging: bytearray | mmap.mmap = _NO_STAGING  # taken from the free list when needed
         self.staging_view = _EMPTY
         self.start = 0  # staged bytes not yet parsed are staging[start:end]
@@ -451,9 +463,9 @@ class LMProtocol(asyncio.BufferedProtocol):
     def _process(self) -> None:
         """Parse and serve staged requests until data runs out or something must wait."""
         if self.generation is None:
-            self.generation = detect_generation(self.staging_view[: self.end], self.start)
-            if self.generation is not None:
-                self._canned = _CANNED[self.generation]
+            generation = detect_generation(self.staging_view[: self.end], self.start)
+            if generation is not None:
+                self._use_generation(generation)
         if self.generation is not None:
             self._serve_staged(self.generation)
         self._flush()
@@ -479,7 +491,7 @@ class LMProtocol(asyncio.BufferedProtocol):
             # EXIST and GET without a body and with a valid key, the bulk of a pipelined burst,
             # need only the command and key (decode_lookup: no Request built). Every other
             # header takes decode_request.
-            command, key = decode_lookup(staging, generation, self.start)
+            command, key = _decode_lookup(staging, generation, self.start)
             if key and command in (_EXIST, _GET):
                 request = None
             else:
@@ -756,9 +768,9 @@ class LMProtocol(asyncio.BufferedProtocol):
     def _exist_key(self, key: str) -> None:
         if self.store.contains(key):
             self.by_command[EXIST_HITS_SLOT] += 1
-            self._emit_canned(_SUCCESS)
+            self._emit_one(self._canned_hit)
         else:
-            self._emit_canned(_FAIL)
+            self._emit_one(self._canned_miss)
 
     def _list(self, req: Request, body: memoryview) -> None:
         # The reply is held from the memory budget, like an object being sent: a client that
@@ -871,6 +883,11 @@ class LMProtocol(asyncio.BufferedProtocol):
             entry.reply_generation = generation
         return entry.reply_header
 
+    def _use_generation(self, generation: Generation) -> None:
+        self.generation = generation
+        self._canned = _CANNED[generation]
+        self._canned_hit, self._canned_miss = self._canned[_SUCCESS], self._canned[_FAIL]
+
     def _emit_canned(self, status: int) -> None:
         """A reply with no body: one precomputed header (the common case, kept fast)."""
         self._emit_one(self._canned[status])
@@ -913,6 +930,8 @@ class LMProtocol(asyncio.BufferedProtocol):
             self._pump()
         elif len(replies) == 1:
             transport.write(replies[0])
+        elif reply_bytes <= JOIN_AVERAGE * len(replies):
+            transport.write(b"".join(replies))
         else:
             transport.writelines(replies)
         if self.reply_pins:

@@ -22,11 +22,13 @@ import itertools
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Final
 
 from sortedcontainers import SortedSet
 
 from lmproto import NO_META, ObjectMeta
 
+from ._shard import shard_index
 from .pool import Buffer, BufferPool, populate, size_class
 from .tiers.base import Victim
 
@@ -100,6 +102,11 @@ class MemoryCounters:
     demotions_dropped: int = 0  # evicted while the share for objects being demoted was full
 
 
+# Compiled (mypyc), a name imported from a module that is not compiled is looked up in this
+# module's dict on every call unless it is Final (a C static).
+_shard_index: Final = shard_index
+
+
 class _Shard:
     __slots__ = ("entries", "lock")
 
@@ -117,6 +124,7 @@ class MemoryTier:
         self.pool = BufferPool(capacity)
         self.counters = MemoryCounters()
         self._shards = [_Shard() for _ in range(shards)]
+        self._shard_count = shards  # shard_index (C when compiled): hash % count unboxed
         self._ticks = itertools.count(1)
         self._keys: SortedSet = SortedSet()
         self._keys_lock = threading.Lock()
@@ -130,7 +138,7 @@ class MemoryTier:
         return self.pool.capacity
 
     def _shard(self, key: str) -> _Shard:
-        return self._shards[hash(key) % len(self._shards)]
+        return self._shards[_shard_index(key, self._shard_count)]
 
     # -- writing --------------------------------------------------------------------------
 
@@ -215,7 +223,7 @@ class MemoryTier:
         pinned (read only its metadata). A larger one comes back as ``(entry, None)``,
         pinned as by ``get``. A miss is ``(None, None)``. One lock round trip, where pinning
         and unpinning a small object took two."""
-        shard = self._shards[hash(key) % len(self._shards)]  # _shard(), inlined: the GET path
+        shard = self._shards[_shard_index(key, self._shard_count)]  # _shard(), inlined: the GET path
         with shard.lock:
             entry = shard.entries.pop(key, None)
             if entry is None:
@@ -235,7 +243,7 @@ class MemoryTier:
 
     def contains(self, key: str) -> bool:
         """Presence without touching recency."""
-        return key in self._shards[hash(key) % len(self._shards)].entries
+        return key in self._shards[_shard_index(key, self._shard_count)].entries
 
     def pin(self, entry: Entry) -> None:
         with self._shard(entry.key).lock:
@@ -244,7 +252,7 @@ class MemoryTier:
     def unpin(self, entry: Entry) -> None:
         # Once per GET: the common case (still live, or still pinned) decides under the
         # lock and returns; only the last pin of a dead entry goes on to release it.
-        with self._shards[hash(entry.key) % len(self._shards)].lock:
+        with self._shards[_shard_index(entry.key, self._shard_count)].lock:
             entry.pins -= 1
             if entry.pins or entry.live or entry.buffer is None:
                 return

@@ -1,5 +1,5 @@
-"""decode_lookup's two twins (lmproto/_lookup.c compiled, lmproto/_lookup.py the reference)
-give the same answer and the same error for every input.
+"""The hand-written C modules (HAND_WRITTEN_C: lmproto/_lookup.c, lmserver/_shard.c) give the
+same answer and the same error as their Python twins, the reference, for every input.
 
 In a pure install, or with LMSERVER_PURE=1, both sides are the Python twin and this file checks
 nothing new; CI's compiled run (LMSERVER_EXPECT_COMPILED=1) is the one that compares them.
@@ -21,15 +21,24 @@ from test_lmproto_properties import ASCII_EDGES, KEY_PIECES
 
 import lmproto
 from lmproto import Command, Generation, _lookup, _native
+from lmserver import _shard
 
 FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-# The Python twin loaded from its file under another name, whatever `lmproto._lookup` is.
-_twin = Path(lmproto.__file__ or "").parent / "_lookup.py"
-_spec = importlib.util.spec_from_file_location("lmproto._lookup_reference", _twin)
-assert _spec is not None and _spec.loader is not None
-reference = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(reference)
+
+def _python_twin(module: types.ModuleType) -> types.ModuleType:
+    """The module's .py twin loaded from its file under another name, whatever ``module`` is."""
+    package = importlib.import_module(module.__name__.rpartition(".")[0])
+    source = Path(package.__file__ or "").parent / (module.__name__.rpartition(".")[2] + ".py")
+    spec = importlib.util.spec_from_file_location(module.__name__ + "_reference", source)
+    assert spec is not None and spec.loader is not None
+    twin = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(twin)
+    return twin
+
+
+reference = _python_twin(_lookup)
+shard_reference = _python_twin(_shard)
 
 
 def _answer(decode: Callable[..., Any], *args: Any) -> Any:
@@ -43,11 +52,13 @@ def _same(*args: Any) -> None:
     assert _answer(_lookup.decode_lookup, *args) == _answer(reference.decode_lookup, *args), args
 
 
-def test_the_installed_twin_is_what_the_build_says() -> None:
-    assert "lmproto._lookup" in _native.HAND_WRITTEN_C
+@pytest.mark.parametrize(("module", "function"), [(_lookup, "decode_lookup"), (_shard, "shard_index")])
+def test_the_installed_twin_is_what_the_build_says(module: types.ModuleType, function: str) -> None:
+    assert module.__name__ in _native.HAND_WRITTEN_C
+    installed, twin = getattr(module, function), getattr(_python_twin(module), function)
+    assert isinstance(installed, types.BuiltinFunctionType) == _native.is_compiled(module)
+    assert isinstance(twin, types.FunctionType)
     assert lmproto.decode_lookup is _lookup.decode_lookup
-    assert isinstance(_lookup.decode_lookup, types.BuiltinFunctionType) == _native.is_compiled(_lookup)
-    assert isinstance(reference.decode_lookup, types.FunctionType)
 
 
 PIECES = KEY_PIECES | ASCII_EDGES | st.sampled_from([b"@", b"\x85"])
@@ -107,3 +118,40 @@ def test_twins_agree_on_every_header(
 )
 def test_twins_agree_on_bad_arguments(args: tuple[Any, ...]) -> None:
     _same(*args)
+
+
+# -- lmserver._shard
+
+
+def _same_shard(*args: Any) -> None:
+    def answer(shard_index: Callable[..., int]) -> Any:
+        try:
+            return shard_index(*args)
+        except (ValueError, TypeError, OverflowError) as exc:
+            return type(exc), str(exc) if isinstance(exc, ValueError) else ""
+
+    assert answer(_shard.shard_index) == answer(shard_reference.shard_index), args
+
+
+@FAST
+@given(st.text(max_size=60), st.integers(1, 64) | st.sampled_from([1, 16, 2**31, 2**62, 2**63 - 1]))
+def test_shard_twins_agree(key: str, shards: int) -> None:
+    _same_shard(key, shards)
+    assert 0 <= _shard.shard_index(key, shards) < shards
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("k", 0),
+        ("k", -3),
+        ("k", 2**64),
+        ("k", -(2**64)),
+        ("k", "4"),
+        (["unhashable"], 4),
+        ("k",),
+        ("k", 4, 5),
+    ],
+)
+def test_shard_twins_agree_on_bad_arguments(args: tuple[Any, ...]) -> None:
+    _same_shard(*args)

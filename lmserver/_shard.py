@@ -1,0 +1,22 @@
+"""``shard_index``: which lock shard of the memory tier a key belongs to.
+
+Strategy: two twins with one behaviour, as lmproto/_lookup.py. ``_shard.c`` is what a build
+compiles and Python imports when it is there; this file is the reference and the pure build,
+and a test compares the two.
+
+Why C: ``hash(key) % shards`` in mypyc-compiled code boxes the hash (a 64-bit hash does not fit
+mypyc's 63-bit tagged int half the time) and divides it as a Python int: 9% of a pipelined
+EXIST. In C it is one machine division, and the answer is a cached small int.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def shard_index(key: str, shards: int) -> int:
+    """``hash(key) % shards``: in ``range(shards)``. Raises ValueError unless ``shards`` is in
+    ``1..sys.maxsize`` (a C ``Py_ssize_t``), TypeError if ``key`` is not hashable."""
+    if not 0 < shards <= sys.maxsize:
+        raise ValueError(f"shards must be in 1..{sys.maxsize}, not {shards}")
+    return hash(key) % shards
