@@ -224,7 +224,9 @@ class MemoryTier:
         pinned as by ``get``. A miss is ``(None, None)``. One lock round trip, where pinning
         and unpinning a small object took two."""
         shard = self._shards[_shard_index(key, self._shard_count)]  # _shard(), inlined: the GET path
-        with shard.lock:
+        lock = shard.lock
+        lock.acquire()  # not `with`: compiled, that is two generic method calls more per GET
+        try:
             entry = shard.entries.pop(key, None)
             if entry is None:
                 self.counters.misses += 1
@@ -238,6 +240,8 @@ class MemoryTier:
             else:
                 copy = None
                 entry.pins += 1
+        finally:
+            lock.release()
         self.counters.hits += 1
         return entry, copy
 
