@@ -1,9 +1,9 @@
 """Build hook: compiles the server's hot path with mypyc. Everything else is in pyproject.toml.
 
 * Default: the modules in ``lmproto._native.COMPILED_MODULES`` are compiled into extension
-  modules installed beside their sources: by mypyc, except ``HAND_WRITTEN_C``, which are built
-  from their C twin (``lmproto/_lookup.c``) (``pip install .``, ``pip install -e .``,
-  ``python setup.py build_ext --inplace``).
+  modules installed beside their sources (``pip install .``, ``pip install -e .``,
+  ``python setup.py build_ext --inplace``): by mypyc, except ``HAND_WRITTEN_C``, which are
+  built from their C twin (``lmproto/_lookup.c``, ``lmserver/_shard.c``).
 * ``LMSERVER_COMPILE=0``: pure Python.
 * Every run first deletes compiled modules that earlier builds left in the source tree or in
   ``build/``: they would shadow the sources, or go into a wheel beside a newer build.
@@ -113,7 +113,8 @@ def _mypyc_extensions(modules: list[str]) -> list[Any]:
 
 
 class BuildExt(build_ext):
-    """Compiles the mypyc extensions all or none: a C compiler failure leaves a pure build."""
+    """Compiles the extensions (mypyc's and the C twins) all or none: a C compiler failure
+    leaves a pure build."""
 
     def run(self) -> None:
         try:
@@ -130,7 +131,7 @@ class BuildExt(build_ext):
 
 
 def _c_extensions(modules: list[str]) -> list[Extension]:
-    """The hand-written C twins (lmproto/_lookup.c): plain extensions, compiled like mypyc's."""
+    """The hand-written C twins (``HAND_WRITTEN_C``): plain extensions, -O3 like mypyc's."""
     return [Extension(m, [_source(m, ".c")], extra_compile_args=["-O3"]) for m in modules]
 
 

@@ -1,5 +1,5 @@
 /* shard_index in C: the twin of _shard.py, which documents the behaviour and is the reference
- * (tests/server/test_shard_twins.py compares the two). */
+ * (tests/test_c_twins.py compares the two). */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

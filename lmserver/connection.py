@@ -95,8 +95,9 @@ STAGING_KEPT: Final = 64
 """Idle staging buffers kept on the shared free list (4 MiB); more are freed."""
 
 JOIN_AVERAGE: Final = 256
-"""Replies queued in one turn that average at most this many bytes are joined into one
-write: per buffer, a ``writelines`` costs more than copying a small one (pipelined EXISTs)."""
+"""Replies queued in one turn that average at most this many bytes, and hold no pinned object
+(those go out zero-copy), are joined into one write: per buffer, a ``writelines`` costs more
+than copying a small one (pipelined EXISTs)."""
 
 WRITE_PIECE: Final = 128 * 1024
 """On a transport that copies unsent bytes (the standard library's), the most handed to it
@@ -930,8 +931,8 @@ class LMProtocol(asyncio.BufferedProtocol):
             self._pump()
         elif len(replies) == 1:
             transport.write(replies[0])
-        elif reply_bytes <= JOIN_AVERAGE * len(replies):
-            transport.write(b"".join(replies))
+        elif not self.reply_pins and reply_bytes <= JOIN_AVERAGE * len(replies):
+            transport.write(b"".join(replies))  # no pinned object among them: nothing zero-copy
         else:
             transport.writelines(replies)
         if self.reply_pins:

@@ -124,7 +124,6 @@ class MemoryTier:
         self.pool = BufferPool(capacity)
         self.counters = MemoryCounters()
         self._shards = [_Shard() for _ in range(shards)]
-        self._shard_count = shards  # shard_index (C when compiled): hash % count unboxed
         self._ticks = itertools.count(1)
         self._keys: SortedSet = SortedSet()
         self._keys_lock = threading.Lock()
@@ -138,7 +137,7 @@ class MemoryTier:
         return self.pool.capacity
 
     def _shard(self, key: str) -> _Shard:
-        return self._shards[_shard_index(key, self._shard_count)]
+        return self._shards[_shard_index(key, len(self._shards))]
 
     # -- writing --------------------------------------------------------------------------
 
@@ -223,7 +222,7 @@ class MemoryTier:
         pinned (read only its metadata). A larger one comes back as ``(entry, None)``,
         pinned as by ``get``. A miss is ``(None, None)``. One lock round trip, where pinning
         and unpinning a small object took two."""
-        shard = self._shards[_shard_index(key, self._shard_count)]  # _shard(), inlined: the GET path
+        shard = self._shards[_shard_index(key, len(self._shards))]  # _shard(), inlined: the GET path
         lock = shard.lock
         lock.acquire()  # not `with`: compiled, that is two generic method calls more per GET
         try:
@@ -247,7 +246,7 @@ class MemoryTier:
 
     def contains(self, key: str) -> bool:
         """Presence without touching recency."""
-        return key in self._shards[_shard_index(key, self._shard_count)].entries
+        return key in self._shards[_shard_index(key, len(self._shards))].entries
 
     def pin(self, entry: Entry) -> None:
         with self._shard(entry.key).lock:
@@ -256,7 +255,7 @@ class MemoryTier:
     def unpin(self, entry: Entry) -> None:
         # Once per GET: the common case (still live, or still pinned) decides under the
         # lock and returns; only the last pin of a dead entry goes on to release it.
-        with self._shards[_shard_index(entry.key, self._shard_count)].lock:
+        with self._shards[_shard_index(entry.key, len(self._shards))].lock:
             entry.pins -= 1
             if entry.pins or entry.live or entry.buffer is None:
                 return

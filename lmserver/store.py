@@ -316,12 +316,9 @@ class Store:
 
     # -- GET ----------------------------------------------------------------------------
 
-    def get(self, key: str) -> Entry | None:
-        """A pinned memory hit (the caller unpins once sent), else None."""
-        return self.read(key, -1)[0]
-
     def read(self, key: str, copy_up_to: int) -> tuple[Entry | None, bytes | None]:
-        """A memory hit as ``MemoryTier.read`` gives it: small objects copied, not pinned."""
+        """A memory hit as ``MemoryTier.read`` gives it (small objects copied, larger ones
+        pinned: the caller unpins once sent), else ``(None, None)``."""
         found = self.memory.read(key, copy_up_to)
         if found[0] is not None:
             for link in self.links:

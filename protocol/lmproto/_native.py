@@ -1,4 +1,4 @@
-"""Which modules a build compiles with mypyc, whether they run compiled, and how to ignore them.
+"""Which modules a build compiles (mypyc, or a C twin), whether they run compiled, and how to ignore them.
 
 Strategy: ``setup.py`` compiles the modules in ``COMPILED_MODULES`` (it reads this tuple
 from this file's source, so there is one list; mypyc compiles all but ``HAND_WRITTEN_C``,
