@@ -69,7 +69,7 @@ from lmproto import (
     Request,
     Status,
     decode_key_list,
-    decode_lookup,
+    decode_lookups,
     decode_request,
     detect_generation,
     encode_error_text,
@@ -130,7 +130,7 @@ _TCP_QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)  # Linux only
 _SUCCESS: Final = int(Status.SUCCESS)
 _FAIL: Final = int(Status.FAIL)
 # Not compiled by mypyc (a C twin): Final, so not looked up in the module dict per call.
-_decode_lookup: Final = decode_lookup
+_decode_lookups: Final = decode_lookups
 _EXIST: Final = int(Command.EXIST)
 _GET: Final = int(Command.GET)
 
@@ -490,42 +490,55 @@ class LMProtocol(asyncio.BufferedProtocol):
             if check and not self._can_parse():
                 break
             # EXIST and GET without a body and with a valid key, the bulk of a pipelined burst,
-            # need only the command and key (decode_lookup: no Request built). Every other
-            # header takes decode_request.
-            command, key = _decode_lookup(staging, generation, self.start)
-            if key and command in (_EXIST, _GET):
-                request = None
+            # need only the command and key: one decode_lookups call takes a whole run of them
+            # (no Request built). Every other header takes decode_request.
+            command, keys = _decode_lookups(staging, generation, self.start, self.end)
+            if keys:
+                if command == _EXIST:
+                    # Answered inline, and nothing _can_parse reads changes: the run at once.
+                    for key in keys:
+                        self._exist_key(key)
+                    done = len(keys)
+                    self.start += done * size
+                    check = False
+                else:
+                    done = 0
+                    for key in keys:  # one at a time: a GET may start a fetch or fill the socket
+                        self.start += size
+                        done += 1
+                        self._get_key(key)
+                        if self.reply_bytes >= FLUSH_THRESHOLD:
+                            self._flush()
+                        if not self._can_parse():
+                            break  # the rest of the run is decoded again when it can go on
+                    check = True
+                if self.start == self.end:
+                    self.start = self.end = 0
+                served += done
+                if command == last:
+                    run += done
+                else:
+                    by_command[last] += run
+                    last, run = command, done
             else:
                 try:
                     request = decode_request(staging, generation, self.start)
                 except RemoteProtocolError as exc:
                     self._fatal(str(exc))
                     break
-            self.start += size
-            if self.start == self.end:
-                self.start = self.end = 0
-            served += 1
-            if request is not None and (
-                request.length or request.problem is not None or command not in handlers
-            ):
-                self._on_header(request)
-                check = True
-            else:
-                if command == last:
-                    run += 1
+                self.start += size
+                if self.start == self.end:
+                    self.start = self.end = 0
+                served += 1
+                if request.length or request.problem is not None or command not in handlers:
+                    self._on_header(request)
+                    check = True
                 else:
-                    by_command[last] += run
-                    last, run = command, 1
-                # EXIST and GET called directly: compiled, a direct call skips building and
-                # calling a bound method through the handlers table.
-                if request is None:
-                    if command == _EXIST:
-                        self._exist_key(key)
-                        check = False  # answered inline: nothing _can_parse reads changed
+                    if command == last:
+                        run += 1
                     else:
-                        self._get_key(key)
-                        check = True
-                else:
+                        by_command[last] += run
+                        last, run = command, 1
                     handlers[command](request, _EMPTY)
                     check = command not in _ANSWERED_INLINE
             if self.reply_bytes >= FLUSH_THRESHOLD:

@@ -52,16 +52,40 @@ def _same(*args: Any) -> None:
     assert _answer(_lookup.decode_lookup, *args) == _answer(reference.decode_lookup, *args), args
 
 
-@pytest.mark.parametrize(("module", "function"), [(_lookup, "decode_lookup"), (_shard, "shard_index")])
+@pytest.mark.parametrize(
+    ("module", "function"),
+    [
+        (_lookup, "decode_lookup"),
+        (_lookup, "decode_lookups"),
+        (_shard, "shard_index"),
+    ],
+)
 def test_the_installed_twin_is_what_the_build_says(module: types.ModuleType, function: str) -> None:
     assert module.__name__ in _native.HAND_WRITTEN_C
     installed, twin = getattr(module, function), getattr(_python_twin(module), function)
     assert isinstance(installed, types.BuiltinFunctionType) == _native.is_compiled(module)
     assert isinstance(twin, types.FunctionType)
     assert lmproto.decode_lookup is _lookup.decode_lookup
+    assert lmproto.decode_lookups is _lookup.decode_lookups
 
 
 PIECES = KEY_PIECES | ASCII_EDGES | st.sampled_from([b"@", b"\x85"])
+
+
+def _header(command: int, length: int, key_field: bytes, pad: bytes, generation: int) -> bytes:
+    """A request header with these raw numbers and key field (cut or padded to KEY_SIZE)."""
+    raw = key_field[: lmproto.KEY_SIZE].ljust(lmproto.KEY_SIZE, pad)
+    header = lmproto.encode_request(Command.EXIST, "k", generation=Generation(generation))
+    numbers = command.to_bytes(4, "little", signed=True) + length.to_bytes(4, "little", signed=True)
+    return numbers + header[8 : -lmproto.KEY_SIZE] + raw
+
+
+def _as(kind: Any, data: bytes) -> Any:
+    if kind != "mmap":
+        return kind(data)
+    buf = mmap.mmap(-1, len(data))
+    buf[:] = data
+    return buf
 
 
 @FAST
@@ -77,16 +101,9 @@ PIECES = KEY_PIECES | ASCII_EDGES | st.sampled_from([b"@", b"\x85"])
 def test_twins_agree_on_every_header(
     pieces: list[bytes], pad: bytes, command: int, length: int, generation: int, before: bytes, kind: Any
 ) -> None:
-    raw = b"".join(pieces)[: lmproto.KEY_SIZE].ljust(lmproto.KEY_SIZE, pad)
-    header = lmproto.encode_request(Command.EXIST, "k", generation=Generation(generation))
-    numbers = command.to_bytes(4, "little", signed=True) + length.to_bytes(4, "little", signed=True)
-    header = numbers + header[8:]
-    data = before + header[: -lmproto.KEY_SIZE] + raw + b"tail"
-    if kind == "mmap":
-        buf: Any = mmap.mmap(-1, len(data))
-        buf[:] = data
-    else:
-        buf = kind(data)
+    header = _header(command, length, b"".join(pieces), pad, generation)
+    data = before + header + b"tail"
+    buf = _as(kind, data)
     _same(buf, generation, len(before))
     if not before:
         _same(buf, generation)
@@ -118,6 +135,87 @@ def test_twins_agree_on_every_header(
 )
 def test_twins_agree_on_bad_arguments(args: tuple[Any, ...]) -> None:
     _same(*args)
+
+
+def _same_runs(*args: Any) -> None:
+    assert _answer(_lookup.decode_lookups, *args) == _answer(reference.decode_lookups, *args), args
+
+
+# Headers as a burst holds them: mostly lookups with good keys, some that end a run.
+RUN_HEADERS = st.tuples(
+    st.sampled_from([Command.EXIST, Command.EXIST, Command.GET, Command.PUT, Command.HEALTH, 0, -1]),
+    st.sampled_from([0, 0, 0, 1, -1]),
+    st.lists(PIECES, max_size=6).map(b"".join) | st.sampled_from([b"chunk-1", b"k", b""]),
+    st.sampled_from([b" ", b"\x00"]),
+)
+
+
+@FAST
+@given(
+    st.lists(RUN_HEADERS, min_size=1, max_size=12),
+    st.sampled_from([0, 1, Generation.V0, Generation.V1]),
+    st.binary(max_size=5),
+    st.integers(0, 200),
+    st.sampled_from([bytes, bytearray, memoryview, "mmap"]),
+)
+def test_run_twins_agree_on_every_burst(
+    headers: list[tuple[int, int, bytes, bytes]], generation: int, before: bytes, cut: int, kind: Any
+) -> None:
+    burst = b"".join(_header(c, n, key, pad, generation) for c, n, key, pad in headers)
+    buf = _as(kind, before + burst + b"tail")
+    start, end = len(before), len(before) + len(burst)
+    _same_runs(buf, generation, start, end)
+    _same_runs(buf, generation, start, end - cut)  # the last header cut short, or several
+    _same_runs(buf, generation, start, len(buf))
+    _same_runs(buf, generation, start + 1, end)
+    command, keys = _lookup.decode_lookups(buf, generation, start, end)
+    size = lmproto.REQUEST_SIZE[Generation(generation)]
+    expected = []  # each key is what decode_lookup answers for its header
+    for at in range(start, start + size * len(keys), size):
+        assert _lookup.decode_lookup(buf, generation, at)[0] == command
+        expected.append(_lookup.decode_lookup(buf, generation, at)[1])
+    assert list(keys) == expected
+    assert all(expected)
+
+
+def test_a_long_run_comes_back_in_pieces_of_run_max() -> None:
+    assert _lookup.RUN_MAX == reference.RUN_MAX
+    size = lmproto.REQUEST_SIZE[Generation.V1]
+    burst = b"".join(
+        lmproto.encode_request(Command.EXIST, f"chunk-{i}", generation=Generation.V1) for i in range(150)
+    )
+    for decode in (_lookup.decode_lookups, reference.decode_lookups):
+        command, keys = decode(burst, Generation.V1, 0, len(burst))
+        assert (command, keys) == (Command.EXIST, tuple(f"chunk-{i}" for i in range(_lookup.RUN_MAX)))
+        command, keys = decode(burst, Generation.V1, 128 * size, len(burst))
+        assert keys == tuple(f"chunk-{i}" for i in range(128, 150))
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        (bytes(186), 2, 0, 186),
+        (bytes(186), None, 0, 186),
+        (bytes(186), 1, -1, 186),
+        (bytes(186), 1, 1, 186),
+        (bytes(186), 1, 0, 185),
+        (bytes(186), 1, 0, 187),
+        (bytes(372), 1, 186, 186),
+        (bytes(186), 1, 2**70, 186),
+        (bytes(186), 1, -(2**70), 186),
+        (bytes(186), 1, 0, 2**70),
+        (bytes(186), 1, 0, -(2**70)),
+        (bytes(186), 1, "0", 186),
+        (bytes(186), 1, 0, "186"),
+        (bytes(158), 0, 0, 158),
+        (bytes(186), 1, 0, 186),
+        ("not a buffer" * 20, 0, 0, 158),
+        (bytes(186), 1, 0),
+        (bytes(186), 1, 0, 186, 0),
+    ],
+)
+def test_run_twins_agree_on_bad_arguments(args: tuple[Any, ...]) -> None:
+    _same_runs(*args)
 
 
 # -- lmserver._shard
