@@ -3,7 +3,7 @@
 * Default: the modules in ``lmproto._native.COMPILED_MODULES`` are compiled into extension
   modules installed beside their sources (``pip install .``, ``pip install -e .``,
   ``python setup.py build_ext --inplace``): by mypyc, except ``HAND_WRITTEN_C``, which are
-  built from their C twin (``lmproto/_lookup.c``, ``lmserver/_shard.c``).
+  built from their C twin (``lmproto/_lookup.c``, ``lmserver/_framed.c``, ``lmserver/_shard.c``).
 * ``LMSERVER_COMPILE=0``: pure Python.
 * Every run first deletes compiled modules that earlier builds left in the source tree or in
   ``build/``: they would shadow the sources, or go into a wheel beside a newer build.

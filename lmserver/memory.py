@@ -28,6 +28,7 @@ from sortedcontainers import SortedSet
 
 from lmproto import NO_META, ObjectMeta
 
+from ._framed import framed_copy
 from ._shard import shard_index
 from .pool import Buffer, BufferPool, populate, size_class
 from .tiers.base import Victim
@@ -105,6 +106,12 @@ class MemoryCounters:
 # Compiled (mypyc), a name imported from a module that is not compiled is looked up in this
 # module's dict on every call unless it is Final (a C static).
 _shard_index: Final = shard_index
+_framed_copy: Final = framed_copy
+
+
+def _no_header(entry: Entry) -> bytes:
+    """``MemoryTier.read``'s default ``header_of``: a copy of the object's bytes alone."""
+    return b""
 
 
 class _Shard:
@@ -215,13 +222,16 @@ class MemoryTier:
         """The object under ``key``, pinned and refreshed in the LRU; the caller unpins."""
         return self.read(key, -1)[0]
 
-    def read(self, key: str, copy_up_to: int) -> tuple[Entry | None, bytes | None]:
+    def read(
+        self, key: str, copy_up_to: int, header_of: Callable[[Entry], bytes] = _no_header
+    ) -> tuple[Entry | None, bytes | None]:
         """``get`` for a reader that copies small objects: an object of at most
-        ``copy_up_to`` bytes comes back as ``(entry, copy of its bytes)``, the copy taken
-        under the shard lock (so its buffer cannot be reused meanwhile) and the entry not
-        pinned (read only its metadata). A larger one comes back as ``(entry, None)``,
-        pinned as by ``get``. A miss is ``(None, None)``. One lock round trip, where pinning
-        and unpinning a small object took two."""
+        ``copy_up_to`` bytes comes back as ``(entry, header_of(entry) + its bytes)``, copied
+        under the shard lock (so its buffer cannot be reused meanwhile) into one new bytes
+        object (a GET reply needs no second copy), and the entry not pinned (read only its
+        metadata). A larger one comes back as ``(entry, None)``, pinned as by ``get``. A miss
+        is ``(None, None)``. One lock round trip, where pinning and unpinning a small object
+        took two."""
         shard = self._shards[_shard_index(key, len(self._shards))]  # _shard(), inlined: the GET path
         lock = shard.lock
         lock.acquire()  # not `with`: compiled, that is two generic method calls more per GET
@@ -233,9 +243,7 @@ class MemoryTier:
             shard.entries[key] = entry  # re-insert: most recently used goes last
             entry.tick = next(self._ticks)
             if entry.length <= copy_up_to:
-                # Sliced from the mmap, which copies into bytes directly (a memoryview
-                # in between costs more than the copy at these sizes).
-                copy: bytes | None = entry.buffer[: entry.length]
+                copy: bytes | None = _framed_copy(header_of(entry), entry.buffer, entry.length)
             else:
                 copy = None
                 entry.pins += 1

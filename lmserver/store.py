@@ -316,10 +316,13 @@ class Store:
 
     # -- GET ----------------------------------------------------------------------------
 
-    def read(self, key: str, copy_up_to: int) -> tuple[Entry | None, bytes | None]:
-        """A memory hit as ``MemoryTier.read`` gives it (small objects copied, larger ones
-        pinned: the caller unpins once sent), else ``(None, None)``."""
-        found = self.memory.read(key, copy_up_to)
+    def read(
+        self, key: str, copy_up_to: int, header_of: Callable[[Entry], bytes]
+    ) -> tuple[Entry | None, bytes | None]:
+        """A memory hit as ``MemoryTier.read`` gives it (small objects copied behind
+        ``header_of(entry)``, larger ones pinned: the caller unpins once sent), else
+        ``(None, None)``."""
+        found = self.memory.read(key, copy_up_to, header_of)
         if found[0] is not None:
             for link in self.links:
                 link.tier.touch(key)

@@ -1,5 +1,6 @@
-"""The hand-written C modules (HAND_WRITTEN_C: lmproto/_lookup.c, lmserver/_shard.c) give the
-same answer and the same error as their Python twins, the reference, for every input.
+"""The hand-written C modules (HAND_WRITTEN_C: lmproto/_lookup.c, lmserver/_framed.c,
+lmserver/_shard.c) give the same answer and the same error as their Python twins, the
+reference, for every input.
 
 In a pure install, or with LMSERVER_PURE=1, both sides are the Python twin and this file checks
 nothing new; CI's compiled run (LMSERVER_EXPECT_COMPILED=1) is the one that compares them.
@@ -21,7 +22,7 @@ from test_lmproto_properties import ASCII_EDGES, KEY_PIECES
 
 import lmproto
 from lmproto import Command, Generation, _lookup, _native
-from lmserver import _shard
+from lmserver import _framed, _shard
 
 FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -39,6 +40,7 @@ def _python_twin(module: types.ModuleType) -> types.ModuleType:
 
 reference = _python_twin(_lookup)
 shard_reference = _python_twin(_shard)
+framed_reference = _python_twin(_framed)
 
 
 def _answer(decode: Callable[..., Any], *args: Any) -> Any:
@@ -57,6 +59,7 @@ def _same(*args: Any) -> None:
     [
         (_lookup, "decode_lookup"),
         (_lookup, "decode_lookups"),
+        (_framed, "framed_copy"),
         (_shard, "shard_index"),
     ],
 )
@@ -253,3 +256,45 @@ def test_shard_twins_agree(key: str, shards: int) -> None:
 )
 def test_shard_twins_agree_on_bad_arguments(args: tuple[Any, ...]) -> None:
     _same_shard(*args)
+
+
+# -- lmserver._framed
+
+
+def _same_framed(*args: Any) -> None:
+    assert _answer(_framed.framed_copy, *args) == _answer(framed_reference.framed_copy, *args), args
+
+
+@FAST
+@given(
+    st.binary(max_size=200),
+    st.binary(max_size=5000),
+    st.integers(-3, 5003),
+    st.sampled_from([bytes, bytearray, memoryview, "mmap"]),
+)
+def test_framed_twins_agree(header: bytes, data: bytes, length: int, kind: Any) -> None:
+    buffer = _as(kind, data) if data or kind != "mmap" else b""  # no empty mmap
+    _same_framed(header, buffer, length)
+    if 0 <= length <= len(data):
+        reply = _framed.framed_copy(header, buffer, length)
+        assert type(reply) is bytes
+        assert reply == header + data[:length]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        (b"h", b"body", 2**70),
+        (b"h", b"body", -(2**70)),
+        (b"h", b"body", "2"),
+        (b"h", b"body", None),
+        (bytearray(b"h"), b"body", 2),
+        ("h", b"body", 2),
+        (b"h", "body", 2),
+        (b"h", None, 2),
+        (b"h", b"body"),
+        (b"h", b"body", 2, 2),
+    ],
+)
+def test_framed_twins_agree_on_bad_arguments(args: tuple[Any, ...]) -> None:
+    _same_framed(*args)

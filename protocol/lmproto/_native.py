@@ -31,6 +31,7 @@ from types import ModuleType
 COMPILED_MODULES = (
     "lmproto._decode",
     "lmproto._lookup",
+    "lmserver._framed",
     "lmserver._shard",
     "lmserver.connection",
     "lmserver.memory",
@@ -39,7 +40,7 @@ COMPILED_MODULES = (
 """The modules a build compiles: the hot path (header decoders, the parse/dispatch loop, and
 the memory tier and store lookups a request makes)."""
 
-HAND_WRITTEN_C = ("lmproto._lookup", "lmserver._shard")
+HAND_WRITTEN_C = ("lmproto._lookup", "lmserver._framed", "lmserver._shard")
 """The modules of ``COMPILED_MODULES`` compiled from a C twin (``<module>.c`` beside its
 ``.py``) rather than by mypyc. The ``.py`` stays the reference and the pure build."""
 
