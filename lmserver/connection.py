@@ -226,6 +226,10 @@ class LMProtocol(asyncio.BufferedProtocol):
         # Requests by command number (plus EXIST hits in slot 0), plain ints for metrics:
         # cheaper on the hot path than string-keyed counters; folded into the state on close.
         self.by_command = [0] * COMMAND_SLOTS
+        # GET hits and their bytes since the last _flush, which adds them to the counters:
+        # two string-keyed counter updates per GET were ~6% of a pipelined 4 KiB GET.
+        self.gets_uncounted = 0
+        self.get_bytes_uncounted = 0
         self.timed_since = 0.0  # when the request now waited on began (latency metrics)
 
         # Per-request state: where the current body goes and what happens when it is in
@@ -304,6 +308,7 @@ class LMProtocol(asyncio.BufferedProtocol):
         if self in self.state.connections:
             self.state.connections.discard(self)
             self.state.fold_command_counts(self.by_command)
+            self._count_gets()
         if not self.state.connections:
             self.state.no_connections.set()
         if self.address is not None:
@@ -498,8 +503,10 @@ class LMProtocol(asyncio.BufferedProtocol):
             if keys:
                 if command == _EXIST:
                     # Answered inline, and nothing _can_parse reads changes: the run at once.
+                    hits = 0
                     for key in keys:
-                        self._exist_key(key)
+                        hits += self._exist_key(key)
+                    by_command[EXIST_HITS_SLOT] += hits
                     done = len(keys)
                     self.start += done * size
                     check = False
@@ -779,14 +786,15 @@ class LMProtocol(asyncio.BufferedProtocol):
             self._reply_miss()
 
     def _exist(self, req: Request, body: memoryview) -> None:
-        self._exist_key(req.key)
+        self.by_command[EXIST_HITS_SLOT] += self._exist_key(req.key)
 
-    def _exist_key(self, key: str) -> None:
+    def _exist_key(self, key: str) -> int:
+        """Answer an EXIST; 1 for a hit, 0 for a miss (the caller counts hits)."""
         if self.store.contains(key):
-            self.by_command[EXIST_HITS_SLOT] += 1
             self._emit_one(self._canned_hit)
-        else:
-            self._emit_one(self._canned_miss)
+            return 1
+        self._emit_one(self._canned_miss)
+        return 0
 
     def _list(self, req: Request, body: memoryview) -> None:
         # The reply is held from the memory budget, like an object being sent: a client that
@@ -883,8 +891,8 @@ class LMProtocol(asyncio.BufferedProtocol):
             self._emit_one(reply)  # one small copy instead of a pin held until sent
         else:
             self._emit(self._reply_header(entry), entry.view, pin=entry)
-        self.counters["gets_served"] += 1
-        self.counters["get_bytes"] += entry.length
+        self.gets_uncounted += 1
+        self.get_bytes_uncounted += entry.length
 
     def _reply_header(self, entry: Entry) -> bytes:
         """The GET reply header of ``entry`` for this connection's frame generation, cached
@@ -932,6 +940,8 @@ class LMProtocol(asyncio.BufferedProtocol):
             self.reply_bytes += len(buffer)
 
     def _flush(self) -> None:
+        if self.gets_uncounted:
+            self._count_gets()
         if not self.replies or self.closed:
             return
         replies, reply_bytes = self.replies, self.reply_bytes
@@ -954,6 +964,12 @@ class LMProtocol(asyncio.BufferedProtocol):
             else:
                 self.unsent_pins += self.reply_pins
             self.reply_pins = []
+
+    def _count_gets(self) -> None:
+        """Add the GETs served since the last flush to the server's counters."""
+        self.counters["gets_served"] += self.gets_uncounted
+        self.counters["get_bytes"] += self.get_bytes_uncounted
+        self.gets_uncounted = self.get_bytes_uncounted = 0
 
     def _ack_now(self) -> None:
         """Acknowledge what the peer sent now rather than after the delayed-ACK timer.
