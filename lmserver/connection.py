@@ -170,6 +170,34 @@ def _canned_replies(generation: Generation) -> dict[int, bytes]:
 _CANNED: Final = {gen: _canned_replies(gen) for gen in Generation}
 
 
+def _reply_header(entry: Entry, generation: Generation) -> bytes:
+    """The GET reply header of ``entry`` for ``generation``, cached on the entry (its
+    status, length and metadata never change once stored)."""
+    if entry.reply_generation is not generation:
+        meta: ObjectMeta = entry.meta
+        entry.reply_header = encode_reply(Status.SUCCESS, entry.length, generation=generation, meta=meta)
+        entry.reply_generation = generation
+    return entry.reply_header
+
+
+# One function per generation, for MemoryTier.read's header_of: a module function is a
+# plain call, where a bound method (self._reply_header) was a generic attribute lookup that
+# builds a method object per GET (~5% of a pipelined 4 KiB GET).
+_V0: Final = Generation.V0
+_V1: Final = Generation.V1
+
+
+def _v0_reply_header(entry: Entry) -> bytes:
+    return _reply_header(entry, _V0)
+
+
+def _v1_reply_header(entry: Entry) -> bytes:
+    return _reply_header(entry, _V1)
+
+
+_REPLY_HEADER_OF: Final = {Generation.V0: _v0_reply_header, Generation.V1: _v1_reply_header}
+
+
 class LMProtocol(asyncio.BufferedProtocol):
     def __init__(self, state: ServerState) -> None:
         # Shared server state
@@ -189,6 +217,7 @@ class LMProtocol(asyncio.BufferedProtocol):
         # also as attributes (no dict lookup per pipelined EXIST). Set by _use_generation.
         self._canned: dict[int, bytes] = {}
         self._canned_hit = self._canned_miss = b""
+        self._reply_header: Callable[[Entry], bytes] = _v1_reply_header  # set by _use_generation
         if self.generation is not None:
             self._use_generation(self.generation)
         self.staging: bytearray | mmap.mmap = _NO_STAGING  # taken from the free list when needed
@@ -894,21 +923,11 @@ class LMProtocol(asyncio.BufferedProtocol):
         self.gets_uncounted += 1
         self.get_bytes_uncounted += entry.length
 
-    def _reply_header(self, entry: Entry) -> bytes:
-        """The GET reply header of ``entry`` for this connection's frame generation, cached
-        on the entry (its status, length and metadata never change once stored)."""
-        generation = self.generation
-        assert generation is not None
-        if entry.reply_generation is not generation:
-            meta: ObjectMeta = entry.meta
-            entry.reply_header = encode_reply(Status.SUCCESS, entry.length, generation=generation, meta=meta)
-            entry.reply_generation = generation
-        return entry.reply_header
-
     def _use_generation(self, generation: Generation) -> None:
         self.generation = generation
         self._canned = _CANNED[generation]
         self._canned_hit, self._canned_miss = self._canned[_SUCCESS], self._canned[_FAIL]
+        self._reply_header = _REPLY_HEADER_OF[generation]
 
     def _emit_canned(self, status: int) -> None:
         """A reply with no body: one precomputed header (the common case, kept fast)."""
