@@ -171,7 +171,7 @@ class Server:
             await listener.wait_closed()
         if self._metrics is not None:
             self._metrics.stop()
-        log.info("stopped", counters=dict(state.counters))
+        log.info("stopped", counters=dict(state.current_counters()))
 
 
 def raise_fd_limit() -> None:

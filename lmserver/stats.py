@@ -16,7 +16,7 @@ log = structlog.get_logger("lmserver.stats")
 
 def server_stats(state: ServerState) -> dict[str, Any]:
     """What STATS returns (protocol/SPEC.md 8.9 names the fields clients may rely on)."""
-    counters = state.counters
+    counters = state.current_counters()
     store = state.store.stats()
     tiers = store.pop("tiers")
     return {

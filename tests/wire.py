@@ -89,8 +89,9 @@ class Wire:
 
 def stats(server: Any) -> Counter[str]:
     """A ServerThread's counters and memory usage; absent counters read as 0."""
+    state = server.server.state
     return server.call(  # type: ignore[no-any-return]
-        lambda: Counter({**server.server.state.counters, **server.server.state.store.memory.usage()})
+        lambda: Counter({**state.current_counters(), **state.store.memory.usage()})
     )
 
 

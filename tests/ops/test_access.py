@@ -43,7 +43,7 @@ def closed_by_server(sock: socket.socket) -> bool:
 def counters(thread: ServerThread) -> dict[str, int]:
     assert thread.server is not None
     state = thread.server.state
-    return thread.call(lambda: dict(state.counters))  # type: ignore[no-any-return]
+    return thread.call(lambda: dict(state.current_counters()))  # type: ignore[no-any-return]
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0"])
