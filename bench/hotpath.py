@@ -19,6 +19,7 @@ from typing import Any
 from lmproto import Command, Generation, ObjectMeta, encode_request
 from lmserver.config import ServerConfig
 from lmserver.connection import SMALL_REPLY, LMProtocol
+from lmserver.logs import configure_logging
 from lmserver.server import Server
 
 
@@ -62,15 +63,18 @@ class _Transport:
         pass
 
 
-def _feed(proto: LMProtocol, data: bytes) -> None:
+def feed(proto: LMProtocol, data: bytes) -> None:
+    """Deliver ``data`` as the event loop would: into ``get_buffer``, then ``buffer_updated``."""
     view = proto.get_buffer(len(data))
     view[: len(data)] = data
     proto.buffer_updated(len(data))
 
 
-async def _measure(
-    command: Command, size: int, depth: int, requests: int, small_reply: int = SMALL_REPLY
-) -> float:
+async def hot_connection(
+    command: Command, size: int, depth: int, small_reply: int = SMALL_REPLY
+) -> tuple[LMProtocol, bytes]:
+    """A connection on a fresh store holding one ``size``-byte object, and a burst of
+    ``depth`` ``command`` requests for it to feed it."""
     server = Server(ServerConfig(host="127.0.0.1", port=0, memory_limit=1 << 30))
     await server.state.store.open()
     proto = LMProtocol(server.state)
@@ -78,17 +82,23 @@ async def _measure(
     proto.connection_made(_Transport())  # type: ignore[arg-type]
     meta = ObjectMeta(1, 2, (3, 4, 5, 6), 7)
     put = encode_request(Command.PUT, "hot-key", size, generation=Generation.V1, meta=meta)
-    _feed(proto, put)
+    feed(proto, put)
     body = bytes(size)
     for start in range(0, size, 32 * 1024):  # as a socket delivers it
-        _feed(proto, body[start : start + 32 * 1024])
-    batch = encode_request(command, "hot-key", generation=Generation.V1) * depth
+        feed(proto, body[start : start + 32 * 1024])
+    return proto, encode_request(command, "hot-key", generation=Generation.V1) * depth
+
+
+async def _measure(
+    command: Command, size: int, depth: int, requests: int, small_reply: int = SMALL_REPLY
+) -> float:
+    proto, batch = await hot_connection(command, size, depth, small_reply)
     rounds = max(1, requests // depth)
     best = float("inf")
     for _ in range(5):
         began = time.perf_counter()
         for _ in range(rounds):
-            _feed(proto, batch)
+            feed(proto, batch)
         best = min(best, time.perf_counter() - began)
     return best / (rounds * depth) * 1e6
 
@@ -97,6 +107,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=32000)
     args = parser.parse_args()
+    configure_logging("warning")  # no line per connection between the rows
     rows: list[tuple[str, int, int, float]] = []
     for depth in (1, 16):
         rows.append(("exist", 0, depth, asyncio.run(_measure(Command.EXIST, 4096, depth, args.requests))))

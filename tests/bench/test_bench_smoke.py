@@ -171,3 +171,15 @@ def test_hotpath_reports_every_row() -> None:
     names = [row.split("|")[1].strip() for row in rows]
     assert names.count("exist") == 2 and names.count("get copy") == 5 and names.count("get pin") == 5
     assert all(float(row.split("|")[4]) > 0 for row in rows)
+
+
+@pytest.mark.parametrize(("command", "depth"), [("exist", 1), ("exist", 16), ("exist", 300), ("get", 16)])
+def test_instructions_serves_its_cases(command: str, depth: int) -> None:
+    """The process ``python -m bench.instructions`` runs under valgrind (not needed here)
+    serves every request of its case, and checks that each got its reply."""
+    subprocess.run(
+        [sys.executable, "-m", "bench.instructions", "--serve", command, str(depth), str(depth * 3)],
+        cwd=REPO,
+        timeout=120,
+        check=True,
+    )
