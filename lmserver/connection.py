@@ -218,6 +218,7 @@ class LMProtocol(asyncio.BufferedProtocol):
         self._canned: dict[int, bytes] = {}
         self._canned_hit = self._canned_miss = b""
         self._reply_header: Callable[[Entry], bytes] = _v1_reply_header  # set by _use_generation
+        self._request_size = 0  # set by _use_generation
         if self.generation is not None:
             self._use_generation(self.generation)
         self.staging: bytearray | mmap.mmap = _NO_STAGING  # taken from the free list when needed
@@ -261,6 +262,12 @@ class LMProtocol(asyncio.BufferedProtocol):
         # sequential request a sixth of this module's work.
         self.requests_uncounted = 0
         self.bytes_received_uncounted = 0
+        self.exist_hits_uncounted = 0
+        # The run of requests of one command that _serve_staged is counting (a pipelined
+        # burst, or sequential requests, are mostly one run), added to by_command when
+        # another command comes or by add_counts.
+        self.run_command = EXIST_HITS_SLOT
+        self.run_count = 0
         self.gets_uncounted = 0
         self.get_bytes_uncounted = 0
         self.timed_since = 0.0  # when the request now waited on began (latency metrics)
@@ -340,8 +347,8 @@ class LMProtocol(asyncio.BufferedProtocol):
         self.closed = True
         if self in self.state.connections:
             self.state.connections.discard(self)
-            self.state.fold_command_counts(self.by_command)
             self.add_counts()
+            self.state.fold_command_counts(self.by_command)
         if not self.state.connections:
             self.state.no_connections.set()
         if self.address is not None:
@@ -517,13 +524,13 @@ class LMProtocol(asyncio.BufferedProtocol):
 
     def _serve_staged(self, generation: Generation) -> None:
         # The hot loop of pipelined small requests: keep its per-request work minimal.
-        size = REQUEST_SIZE[generation]
+        size = self._request_size
         staging = self.staging_view
         handlers = self._handlers
         by_command = self.by_command
         # Requests by command, counted as runs of one command (a pipelined burst is usually one
         # run): a local small-int add per request instead of a list update.
-        last, run = EXIST_HITS_SLOT, 0
+        last, run = self.run_command, self.run_count
         served = 0
         check = True  # whether the last request may have changed what _can_parse says
         while self.end - self.start >= size:
@@ -539,8 +546,7 @@ class LMProtocol(asyncio.BufferedProtocol):
                     hits = 0
                     for key in keys:
                         hits += self._exist_key(key)
-                    if hits:
-                        by_command[EXIST_HITS_SLOT] += hits
+                    self.exist_hits_uncounted += hits
                     done = len(keys)
                     self.start += done * size
                     check = False
@@ -585,8 +591,7 @@ class LMProtocol(asyncio.BufferedProtocol):
             if self.reply_bytes >= FLUSH_THRESHOLD:
                 self._flush()
                 check = True
-        if run:
-            by_command[last] += run
+        self.run_command, self.run_count = last, run
         self.requests_uncounted += served
         self.parsed += served
 
@@ -819,7 +824,7 @@ class LMProtocol(asyncio.BufferedProtocol):
             self._reply_miss()
 
     def _exist(self, req: Request, body: memoryview) -> None:
-        self.by_command[EXIST_HITS_SLOT] += self._exist_key(req.key)
+        self.exist_hits_uncounted += self._exist_key(req.key)
 
     def _exist_key(self, key: str) -> int:
         """Answer an EXIST; 1 for a hit, 0 for a miss (the caller counts hits)."""
@@ -932,6 +937,9 @@ class LMProtocol(asyncio.BufferedProtocol):
         self._canned = _CANNED[generation]
         self._canned_hit, self._canned_miss = self._canned[_SUCCESS], self._canned[_FAIL]
         self._reply_header = _REPLY_HEADER_OF[generation]
+        # Kept as a plain int: REQUEST_SIZE[generation] hashes an IntEnum, which Enum does in
+        # Python, once per read.
+        self._request_size = REQUEST_SIZE[generation]
 
     def _emit_canned(self, status: int) -> None:
         """A reply with no body: one precomputed header (the common case, kept fast)."""
@@ -987,7 +995,14 @@ class LMProtocol(asyncio.BufferedProtocol):
             self.reply_pins = []
 
     def add_counts(self) -> None:
-        """Add what this connection counted in plain ints to the server's counters."""
+        """Add what this connection counted in plain ints to the server's counters and to
+        its own by_command."""
+        if self.run_count:
+            self.by_command[self.run_command] += self.run_count
+            self.run_count = 0
+        if self.exist_hits_uncounted:
+            self.by_command[EXIST_HITS_SLOT] += self.exist_hits_uncounted
+            self.exist_hits_uncounted = 0
         counters = self.counters
         counters["requests"] += self.requests_uncounted
         counters["bytes_received"] += self.bytes_received_uncounted

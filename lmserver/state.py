@@ -40,8 +40,9 @@ class ServerState:
 
     def current_counters(self) -> defaultdict[str, int]:
         """``counters`` brought up to date: each open connection first adds the counts it
-        keeps in plain ints on its hot path (requests, bytes received, GET hits and bytes;
-        see LMProtocol.add_counts). Read counters through this, on the event loop."""
+        keeps in plain ints on its hot path (requests, bytes received, GET hits and bytes,
+        and its running count by command; see LMProtocol.add_counts). Read counters
+        through this, on the event loop."""
         for connection in self.connections:
             connection.add_counts()
         return self.counters
@@ -53,6 +54,7 @@ class ServerState:
         """Requests by command number so far, open connections included."""
         totals = list(self.closed_by_command)
         for connection in self.connections:
+            connection.add_counts()  # its running counts into its by_command
             _add_into(totals, connection.by_command)
         return totals
 
