@@ -224,3 +224,27 @@ def test_list_over_several_encoding_batches(server_thread) -> None:
         reply, body = w.call(Command.LIST, "batch/")
         assert reply.status == 200
         assert decode_key_lines(body) == keys
+
+
+def test_counts_of_an_open_connection_are_current_when_read(server_thread, wire: Wire) -> None:
+    """The hot path counts in plain ints per connection (requests, bytes, GET hits, runs by
+    command); every reader sees them while the connection is still open, exactly once."""
+    state = server_thread.server.state
+    wire.put("c1", b"12345")
+    before = server_thread.call(lambda: dict(state.current_counters()))
+    commands_before = server_thread.call(state.requests_by_command)
+    burst = b"".join(wire.frame(Command.EXIST, key) for key in ("c1", "c1", "nope"))
+    burst += b"".join(wire.frame(Command.GET, key) for key in ("c1", "c1", "nope"))
+    wire.send_raw(burst)
+    for _ in range(6):
+        wire.reply()
+    for _ in range(2):  # reading twice adds nothing twice
+        after = server_thread.call(lambda: dict(state.current_counters()))
+        commands = server_thread.call(state.requests_by_command)
+        assert after["requests"] - before.get("requests", 0) == 6
+        assert after["bytes_received"] - before.get("bytes_received", 0) == len(burst)
+        assert after["gets_served"] - before.get("gets_served", 0) == 2
+        assert after["get_bytes"] - before.get("get_bytes", 0) == 10
+        assert commands[Command.EXIST] - commands_before[Command.EXIST] == 3
+        assert commands[Command.GET] - commands_before[Command.GET] == 3
+        assert commands[0] - commands_before[0] == 2  # EXIST hits
