@@ -21,6 +21,7 @@ def framed_copy(header: bytes, buffer: bytes | bytearray | memoryview | mmap.mma
     buffer of bytes."""
     if not isinstance(header, bytes):
         raise TypeError(f"header must be bytes, not {type(header).__name__}")
-    if not 0 <= length <= len(memoryview(buffer)):
-        raise ValueError(f"length must be in 0..{len(memoryview(buffer))}, not {length}")
+    size = len(memoryview(buffer))  # in bytes, whatever the buffer's type
+    if not 0 <= length <= size:
+        raise ValueError(f"length must be in 0..{size}, not {length}")
     return header + buffer[:length]

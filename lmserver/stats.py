@@ -65,7 +65,8 @@ async def log_periodically(state: ServerState, interval: float = 60.0) -> None:
         await asyncio.sleep(interval)
         memory = state.store.memory.usage()
         now = {name: memory[name] for name in watched}
-        now.update({k: v for k, v in state.counters.items() if k.startswith(("refused", "protocol", "bad"))})
+        counters = state.current_counters()
+        now.update({k: v for k, v in counters.items() if k.startswith(("refused", "protocol", "bad"))})
         now.update(state.store.activity())  # per tier: skipped writes, demotions, failures
         delta = {k: v - last.get(k, 0) for k, v in now.items() if v != last.get(k, 0)}
         last = now

@@ -66,9 +66,8 @@ def decode_lookups(
     the keys of that header and of those after it, up to ``end``, for as long as
     ``decode_lookup`` answers each with that same command and a non-empty key; the run ends
     at any other header, where a whole header no longer fits before ``end``, or after
-    ``RUN_MAX`` keys. Otherwise, or
-    if the first header's key is not one ``decode_lookup`` takes, ``keys`` is empty and the
-    caller decodes that header with ``decode_request``.
+    ``RUN_MAX`` keys. Otherwise, or if the first header's key is not one ``decode_lookup``
+    takes, ``keys`` is empty and the caller decodes that header with ``decode_request``.
 
     One call for a pipelined burst of lookups instead of one per header: the server's way
     in. Raises ValueError for a generation other than 0 and 1, and unless
@@ -79,12 +78,15 @@ def decode_lookups(
     size = _KEY_AT[generation] + KEY_SIZE
     if start < 0 or end > len(buf) or end - start < size:
         raise ValueError("the buffer holds no whole request header at this offset")
-    command = decode_lookup(buf, generation, start)[0]
+    command, key = decode_lookup(buf, generation, start)  # each header decoded once
     keys: list[str] = []
-    if command in _LOOKUPS:
-        for at in range(start, end - size + 1, size):
-            each, key = decode_lookup(buf, generation, at)
-            if each != command or not key or len(keys) == RUN_MAX:
-                break
-            keys.append(key)
+    at = start
+    while key and command in _LOOKUPS:
+        keys.append(key)
+        at += size
+        if len(keys) == RUN_MAX or end - at < size:
+            break
+        each, key = decode_lookup(buf, generation, at)
+        if each != command:
+            break
     return command, tuple(keys)
