@@ -12,6 +12,15 @@ at all. Needs valgrind (Debian: ``apt-get install valgrind``); runs take ~1 minu
 
 The counts include the stand-in transport and the feeding loop (interpreted Python): a fixed
 cost per burst, the same in both builds of an A/B.
+
+``--servers`` counts whole server processes instead: ``python -m lmserver`` and
+``redis-server``, each started under callgrind, answering the bench's own blocking client
+over loopback (one at a time and 16 pipelined, EXIST and 4 KiB GET of one stored key). Each
+case is counted from a zeroed counter to a dump (``callgrind_control``), so start-up and the
+priming PUT are not in it. This is the user-space side of a request, event loop and interpreter
+included, which is what the two servers spend beyond the kernel's share (the same system calls
+for both, not counted). Timers that fire by the wall clock (Redis's ``serverCron``, our idle
+checks) run ~50x more often per request under valgrind than at full speed: a few percent here.
 """
 
 from __future__ import annotations
@@ -23,12 +32,18 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from lmproto import REPLY_SIZE, Command, Generation
 from lmserver.logs import configure_logging
 
+from .drivers import bench_key, make_driver
 from .hotpath import feed, hot_connection
+from .targets import Target, start_lmserver, start_redis_local
 
 CASES = (("exist", 1), ("exist", 16), ("exist", 300), ("get", 16))
 """(command, requests per burst); GETs are of one 4 KiB object."""
@@ -80,14 +95,101 @@ def _instructions(command: str, depth: int, requests: int) -> int:
     return int(found.group(1).replace(",", ""))
 
 
+SERVER_CASES = (("exist", 1), ("get", 1), ("exist", 16), ("get", 16))
+"""(command, requests per round trip) for ``--servers``; GETs are of one 4 KiB object."""
+
+
+def _callgrind(out: Path, name: str) -> list[str]:
+    return ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out / name}.cg"]
+
+
+def _count(target: Target, out: Path, dumps: list[int], work: Callable[[], None]) -> int:
+    """Instructions ``target``'s process executes while ``work`` runs: its counters are zeroed,
+    ``work`` runs, the counters are dumped (to ``NAME.cg.K``, K counting the dumps) and read."""
+    assert target.pid is not None
+    subprocess.run(["callgrind_control", "--zero", str(target.pid)], check=True, capture_output=True)
+    work()
+    subprocess.run(["callgrind_control", "--dump", str(target.pid)], check=True, capture_output=True)
+    dumps[0] += 1
+    dump = out / f"{target.name}.cg.{dumps[0]}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if dump.exists():
+            found = re.search(r"^totals: ([0-9]+)", dump.read_text(errors="replace"), re.MULTILINE)
+            if found:
+                return int(found.group(1))
+        time.sleep(0.1)
+    raise RuntimeError(f"callgrind wrote no dump {dump}")
+
+
+def _server_counts(target: Target, out: Path, requests: int) -> dict[tuple[str, int], float]:
+    """Instructions per request of each SERVER_CASES case, the bench's client driving ``target``."""
+    assert target.spec is not None
+    driver = make_driver(target.spec)
+    driver.prepare([bench_key(1, 4096, 0)], 4096)
+    body, dest = memoryview(bytes(4096)), memoryview(bytearray(4096))
+    if driver.put([0], body) != 1:
+        raise SystemExit(f"{target.name}: the priming PUT was refused")
+    dumps = [0]
+    counts = {}
+    for command, depth in SERVER_CASES:
+        idxs = [0] * depth
+        rounds = requests // depth
+
+        def work(command: str = command, idxs: list[int] = idxs, rounds: int = rounds) -> None:
+            for _ in range(rounds):
+                hits = driver.exist(idxs) if command == "exist" else driver.get(idxs, dest)[0]
+                if hits != len(idxs):
+                    raise SystemExit(f"{target.name}: {command} missed the stored key")
+
+        counts[command, depth] = _count(target, out, dumps, work) / (rounds * depth)
+    driver.close()
+    return counts
+
+
+def servers(requests: int) -> None:
+    """Print whole-process instructions per request, lmserver against redis-server."""
+    if shutil.which("redis-server") is None or shutil.which("callgrind_control") is None:
+        sys.exit("bench.instructions --servers needs redis-server and valgrind on PATH")
+    os.environ["PYTHONHASHSEED"] = "0"  # the servers inherit it: dicts lay out the same each run
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="bench-instructions-") as tmp:
+        out = Path(tmp)
+        lm_cmd = " ".join([*_callgrind(out, "lmserver"), sys.executable, "-m", "lmserver"])
+        for target in (
+            start_lmserver("lmserver", out, lm_cmd, [], "1G", startup=180.0),
+            start_redis_local(out, startup=60.0, wrapper=_callgrind(out, "redis-local")),
+        ):
+            try:
+                if target.skipped:
+                    sys.exit(f"{target.name} did not start: {target.note}")
+                results[target.name] = _server_counts(target, out, requests)
+            finally:
+                target.stop()
+    print("| request | depth | lmserver | redis-server | lmserver / redis |")
+    print("|---|---|---|---|---|")
+    for command, depth in SERVER_CASES:
+        lm, redis = results["lmserver"][command, depth], results["redis-local"][command, depth]
+        name = "4 KiB get" if command == "get" else command
+        print(f"| {name} | {depth} | {lm:,.0f} | {redis:,.0f} | {lm / redis:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=19200, help="per case (a multiple of every depth)")
+    parser.add_argument(
+        "--servers",
+        action="store_true",
+        help="whole server processes over loopback, lmserver against redis-server (user space)",
+    )
     parser.add_argument("--serve", nargs=3, metavar=("COMMAND", "DEPTH", "REQUESTS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         command, depth, requests = args.serve
         _serve(command, int(depth), int(requests))
+        return
+    if args.servers:
+        servers(args.requests)
         return
     if shutil.which("valgrind") is None:
         sys.exit("bench.instructions needs valgrind (Debian: apt-get install valgrind)")

@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -187,7 +188,9 @@ def start_lmserver(
     return Target(name, spec, pid=proc.pid, note=note, managed=proc, extra={"log": str(log)})
 
 
-def start_redis_local(out: Path, startup: float = 10.0) -> Target:
+def start_redis_local(out: Path, startup: float = 10.0, wrapper: Sequence[str] = ()) -> Target:
+    """Start redis-server on 127.0.0.1, persistence off; ``wrapper`` prefixes its command line
+    (bench.instructions runs it under valgrind)."""
     exe = shutil.which("redis-server")
     if exe is None:
         return Target("redis-local", None, note="skipped: redis-server is not on PATH")
@@ -195,7 +198,7 @@ def start_redis_local(out: Path, startup: float = 10.0) -> Target:
     log = out / "redis-local.log"
     with log.open("wb") as fh:
         proc = subprocess.Popen(
-            [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            [*wrapper, exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
             stdin=subprocess.DEVNULL,
             stdout=fh,
             stderr=fh,

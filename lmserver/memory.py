@@ -29,7 +29,7 @@ from sortedcontainers import SortedSet
 from lmproto import NO_META, ObjectMeta
 
 from ._framed import framed_copy
-from ._shard import shard_index
+from ._shard import ShardLock, shard_index
 from .pool import Buffer, BufferPool, populate, size_class
 from .tiers.base import Victim
 
@@ -118,7 +118,7 @@ class _Shard:
     __slots__ = ("acquire", "entries", "lock", "release")
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        self.lock = ShardLock()
         # The lock's methods, bound once for the GET path: compiled, lock.acquire() looks
         # the method up by name on every call.
         self.acquire: Callable[[], bool] = self.lock.acquire

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import importlib.util
 import mmap
+import sys
+import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +72,11 @@ def test_the_installed_twin_is_what_the_build_says(module: types.ModuleType, fun
     assert isinstance(twin, types.FunctionType)
     assert lmproto.decode_lookup is _lookup.decode_lookup
     assert lmproto.decode_lookups is _lookup.decode_lookups
+
+
+def test_the_installed_shard_lock_is_what_the_build_says() -> None:
+    assert shard_reference.ShardLock is threading.Lock
+    assert (_shard.ShardLock is threading.Lock) != _native.is_compiled(_shard)
 
 
 PIECES = KEY_PIECES | ASCII_EDGES | st.sampled_from([b"@", b"\x85"])
@@ -256,6 +263,79 @@ def test_shard_twins_agree(key: str, shards: int) -> None:
 )
 def test_shard_twins_agree_on_bad_arguments(args: tuple[Any, ...]) -> None:
     _same_shard(*args)
+
+
+LOCKS = pytest.mark.parametrize(
+    "lock_type", [_shard.ShardLock, shard_reference.ShardLock], ids=["installed", "twin"]
+)
+
+
+@LOCKS
+def test_shard_lock_twins_agree(lock_type: Callable[[], Any]) -> None:
+    lock = lock_type()
+    assert not lock.locked()
+    assert lock.acquire() is True
+    assert lock.locked()
+    assert lock.release() is None
+    assert not lock.locked()
+    with pytest.raises(RuntimeError, match="release unlocked lock"):
+        lock.release()
+    with pytest.raises(KeyError), lock:
+        assert lock.locked()
+        raise KeyError("the with block's exception goes through, and the lock is released")
+    assert not lock.locked()
+    with pytest.raises(TypeError):
+        lock_type(1)  # type: ignore[call-arg]
+    held = lock_type()
+    held.acquire()
+    del held  # a held lock may be dropped, as a threading.Lock
+
+
+@pytest.fixture
+def fast_switching() -> Iterator[None]:
+    """Threads switch every microsecond: a critical section without mutual exclusion loses updates."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(before)
+
+
+@LOCKS
+def test_shard_lock_excludes_and_waits_without_the_gil(
+    lock_type: Callable[[], Any], fast_switching: None
+) -> None:
+    lock, count, rounds = lock_type(), [0], 2000
+
+    def add() -> None:
+        for _ in range(rounds):
+            with lock:
+                seen = count[0]
+                threading.Event().wait(0)  # releases the GIL inside the critical section
+                count[0] = seen + 1
+
+    workers = [threading.Thread(target=add) for _ in range(4)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(60)
+    assert not any(worker.is_alive() for worker in workers), "a waiter holds the GIL: deadlock"
+    assert count[0] == 4 * rounds
+
+    # A waiter blocks until the holder (which needs the GIL to get there) releases.
+    got = threading.Event()
+    lock.acquire()
+
+    def wait_for_it() -> None:
+        lock.acquire()
+        got.set()
+        lock.release()
+
+    waiter = threading.Thread(target=wait_for_it)
+    waiter.start()
+    assert not got.wait(0.2)
+    lock.release()
+    assert got.wait(60)
+    waiter.join(60)
 
 
 # -- lmserver._framed
