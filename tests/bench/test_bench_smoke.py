@@ -183,3 +183,29 @@ def test_instructions_serves_its_cases(command: str, depth: int) -> None:
         timeout=120,
         check=True,
     )
+
+
+def test_instructions_drives_every_server_case(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench.instructions --servers`` without valgrind: the client side drives each case
+    against a real lmserver (every request a hit, or it exits), and the server's command line
+    takes a wrapper as valgrind is put in front of it."""
+    monkeypatch.syspath_prepend(str(REPO))
+    from bench import instructions
+    from bench.targets import start_lmserver
+
+    ran: list[int] = []
+
+    def count(target: Any, out: Path, dumps: list[int], work: Any) -> int:
+        work()
+        ran.append(1)
+        return 1000
+
+    monkeypatch.setattr(instructions, "_count", count)
+    target = start_lmserver("lmserver", tmp_path, f"env {sys.executable} -m lmserver", [], "64M")
+    try:
+        assert not target.skipped, target.note
+        counts = instructions._server_counts(target, tmp_path, 32)
+    finally:
+        target.stop()
+    assert len(ran) == len(instructions.SERVER_CASES)
+    assert counts == {case: 1000 / 32 for case in instructions.SERVER_CASES}
