@@ -79,7 +79,7 @@ from lmproto import (
     encode_reply,
 )
 
-from ._framed import framed_copy
+from ._framed import framed_copy, send_nowait
 from .logs import ThrottledWarnings
 from .memory import Entry
 from .state import ServerState
@@ -133,6 +133,7 @@ _FAIL: Final = int(Status.FAIL)
 # Not compiled by mypyc (a C twin): Final, so not looked up in the module dict per call.
 _decode_lookups: Final = decode_lookups
 _framed_copy: Final = framed_copy
+_send_nowait: Final = send_nowait
 _EXIST: Final = int(Command.EXIST)
 _GET: Final = int(Command.GET)
 
@@ -198,6 +199,10 @@ def _v1_reply_header(entry: Entry) -> bytes:
 _REPLY_HEADER_OF: Final = {Generation.V0: _v0_reply_header, Generation.V1: _v1_reply_header}
 
 
+def _not_connected(data: bytes | memoryview) -> None:
+    raise RuntimeError("a reply written before connection_made")
+
+
 class LMProtocol(asyncio.BufferedProtocol):
     def __init__(self, state: ServerState) -> None:
         # Shared server state
@@ -209,6 +214,9 @@ class LMProtocol(asyncio.BufferedProtocol):
 
         # Per-connection state
         self.transport: asyncio.Transport | None = None
+        # transport.write, bound once: compiled, transport.write(x) looks the method up by
+        # name on every reply.
+        self.write: Callable[[bytes | memoryview], None] = _not_connected
         self.peer: Any = None
         self.generation: Generation | None = {"v0": Generation.V0, "v1": Generation.V1}.get(
             self.config.protocol
@@ -243,6 +251,7 @@ class LMProtocol(asyncio.BufferedProtocol):
         self.closed = False
         self.address: str | None = None  # counted against max_connections_per_address
         self.sock: Any = None  # the transport's socket, for TCP_QUICKACK (see _ack_now)
+        self.fd = -1
         self.owe_ack = False  # a fire-and-forget PUT was read and no reply carried its ACK
         # Progress, for the timeout sweep: counted on the read path, compared by ``sweep``.
         self.received = 0
@@ -338,6 +347,9 @@ class LMProtocol(asyncio.BufferedProtocol):
         high = write_buffer_high_water(transport)  # 0, or 1 on TLS: see tls.py
         self.transport.set_write_buffer_limits(high=high, low=0)  # type: ignore[union-attr]
         self.copying_transport = not type(transport).__module__.startswith("uvloop")
+        self.write = self.transport.write  # type: ignore[union-attr]
+        if sock is not None and transport.get_extra_info("ssl_object") is None:
+            self.fd = sock.fileno()
         self.state.connections.add(self)
         self.state.no_connections.clear()
         self.counters["connections_accepted"] += 1
@@ -982,9 +994,9 @@ class LMProtocol(asyncio.BufferedProtocol):
             self.outbox += replies
             self._pump()
         elif len(replies) == 1:
-            transport.write(replies[0])
+            self._send(replies[0])
         elif not self.reply_pins and reply_bytes <= JOIN_AVERAGE * len(replies):
-            transport.write(b"".join(replies))  # no pinned object among them: nothing zero-copy
+            self._send(b"".join(replies))  # no pinned object among them: nothing zero-copy
         else:
             transport.writelines(replies)
         if self.reply_pins:
@@ -993,6 +1005,19 @@ class LMProtocol(asyncio.BufferedProtocol):
             else:
                 self.unsent_pins += self.reply_pins
             self.reply_pins = []
+
+    def _send(self, data: bytes | memoryview) -> None:
+        """Write ``data`` after everything written before it: straight to the socket while the
+        transport holds nothing unsent (``write_paused`` is False exactly then: its high-water
+        mark is 0), and what the socket does not take (or everything, on an error) through
+        the transport, which queues it and pauses writing until it is sent."""
+        if self.fd >= 0 and not self.write_paused:
+            sent = _send_nowait(self.fd, data)
+            if sent == len(data):
+                return
+            if sent:
+                data = memoryview(data)[sent:]
+        self.write(data)
 
     def add_counts(self) -> None:
         """Add what this connection counted in plain ints to the server's counters and to

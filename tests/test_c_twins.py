@@ -8,8 +8,11 @@ nothing new; CI's compiled run (LMSERVER_EXPECT_COMPILED=1) is the one that comp
 
 from __future__ import annotations
 
+import array
+import contextlib
 import importlib.util
 import mmap
+import socket
 import sys
 import threading
 import types
@@ -62,6 +65,7 @@ def _same(*args: Any) -> None:
         (_lookup, "decode_lookup"),
         (_lookup, "decode_lookups"),
         (_framed, "framed_copy"),
+        (_framed, "send_nowait"),
         (_shard, "shard_index"),
     ],
 )
@@ -378,3 +382,66 @@ def test_framed_twins_agree(header: bytes, data: bytes, length: int, kind: Any) 
 )
 def test_framed_twins_agree_on_bad_arguments(args: tuple[Any, ...]) -> None:
     _same_framed(*args)
+
+
+SENDERS = pytest.mark.parametrize(
+    "send_nowait", [_framed.send_nowait, framed_reference.send_nowait], ids=["installed", "twin"]
+)
+
+
+@pytest.fixture
+def socket_pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    """Two connected stream sockets; the first is non-blocking, as a transport's is."""
+    ours, peer = socket.socketpair()
+    ours.setblocking(False)
+    with ours, peer:
+        yield ours, peer
+
+
+@SENDERS
+def test_send_nowait_sends_what_fits_and_says_how_much(
+    send_nowait: Callable[[int, Any], int], socket_pair: tuple[socket.socket, socket.socket]
+) -> None:
+    ours, peer = socket_pair
+    assert send_nowait(ours.fileno(), b"hello") == 5
+    assert send_nowait(ours.fileno(), memoryview(b"xx, world")[2:]) == 7
+    assert send_nowait(ours.fileno(), array.array("i", [1, 2])) == 8  # any buffer, in bytes
+    assert send_nowait(ours.fileno(), b"") == 0
+    assert peer.recv(100) == b"hello, world" + array.array("i", [1, 2]).tobytes()
+    chunk, sent = bytes(1 << 16), []
+    while not sent or sent[-1] == len(chunk):
+        sent.append(send_nowait(ours.fileno(), chunk))
+    assert send_nowait(ours.fileno(), chunk) == 0  # full: nothing more, and no waiting
+    peer.setblocking(False)
+    received = 0
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            received += len(peer.recv(1 << 20))
+    assert received == sum(sent)
+
+
+@SENDERS
+def test_send_nowait_to_a_peer_that_is_gone_sends_nothing(
+    send_nowait: Callable[[int, Any], int], socket_pair: tuple[socket.socket, socket.socket]
+) -> None:
+    ours, peer = socket_pair
+    peer.close()
+    assert send_nowait(ours.fileno(), b"lost") == 0  # EPIPE, not SIGPIPE, and no exception
+
+
+def test_send_nowait_twins_agree_on_bad_arguments(socket_pair: tuple[socket.socket, socket.socket]) -> None:
+    fd = socket_pair[0].fileno()
+    for args in [
+        ("3", b"x"),
+        (None, b"x"),
+        (1.0, b"x"),
+        (-1, b"x"),
+        (2**31, b"x"),
+        (2**70, b"x"),
+        (-(2**70), b"x"),
+        (fd, "text"),
+        (fd, None),
+        (fd,),
+        (fd, b"x", 0),
+    ]:
+        assert _answer(_framed.send_nowait, *args) == _answer(framed_reference.send_nowait, *args), args

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
+
 import pytest
 from wire import Wire
 
@@ -198,6 +202,28 @@ def test_pipelined_requests_are_answered_in_order(wire: Wire) -> None:
         assert (reply.status, body) == (200, f"value-{i}".encode())
     for i in range(150):
         assert wire.reply()[0].status == (200 if i % 2 else 400)
+
+
+def test_small_replies_to_a_late_reader_arrive_whole_and_in_order(wire: Wire) -> None:
+    """Small replies go straight to the socket while the transport holds nothing unsent; a
+    reader that lets the socket fill makes those sends partial, and the rest (and every reply
+    after it) must go through the transport, in order, until it has sent everything."""
+    objects = [bytes([i]) * 160 + f"{i:04}".encode() * 10 for i in range(64)]
+    for i, body in enumerate(objects):
+        wire.put(f"late{i}", body)
+    wire.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 256 * 1024)  # a window that fills
+    order = [(i * 7) % 64 for i in range(32_000)]  # ~7 MB of replies: more than both buffers hold
+    frames = [wire.frame(Command.GET, f"late{i}") for i in range(64)]
+    bursts = [b"".join(frames[i] for i in order[j : j + 1000]) for j in range(0, len(order), 1000)]
+    # The server stops reading while its replies wait, so the requests are sent beside the reads.
+    sender = threading.Thread(target=lambda: [wire.send_raw(burst) for burst in bursts], daemon=True)
+    sender.start()
+    time.sleep(0.5)  # not a wait for anything: reading late is the behaviour under test
+    for i in order:
+        reply, body = wire.reply()
+        assert (reply.status, body) == (200, objects[i])
+    sender.join(30)
+    assert wire.call(Command.EXIST, "late0")[0].status == 200
 
 
 def test_one_byte_at_a_time(server_thread) -> None:

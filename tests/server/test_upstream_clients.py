@@ -82,6 +82,7 @@ async def test_a_put_without_a_reply_is_acknowledged_at_once() -> None:
     await server.state.store.open()
     proto = LMProtocol(server.state)
     sock = mock.Mock()  # records setsockopt
+    sock.fileno.return_value = -1  # no real socket: replies go through transport.write
     transport = mock.Mock()
     transport.get_extra_info.side_effect = {"peername": ("127.0.0.1", 1), "socket": sock}.get
     transport.get_write_buffer_size.return_value = 0
