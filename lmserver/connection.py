@@ -203,6 +203,10 @@ def _not_connected(data: bytes | memoryview) -> None:
     raise RuntimeError("a reply written before connection_made")
 
 
+def _closing() -> bool:
+    return True
+
+
 class LMProtocol(asyncio.BufferedProtocol):
     def __init__(self, state: ServerState) -> None:
         # Shared server state
@@ -251,7 +255,11 @@ class LMProtocol(asyncio.BufferedProtocol):
         self.closed = False
         self.address: str | None = None  # counted against max_connections_per_address
         self.sock: Any = None  # the transport's socket, for TCP_QUICKACK (see _ack_now)
+        # The socket's descriptor while replies may be sent on it directly (_send), else -1.
         self.fd = -1
+        # transport.is_closing, bound once: the fd is closed (and may be reused by the next
+        # accepted connection) as soon as the transport closes, before connection_lost.
+        self.is_closing: Callable[[], bool] = _closing
         self.owe_ack = False  # a fire-and-forget PUT was read and no reply carried its ACK
         # Progress, for the timeout sweep: counted on the read path, compared by ``sweep``.
         self.received = 0
@@ -350,6 +358,7 @@ class LMProtocol(asyncio.BufferedProtocol):
         self.write = self.transport.write  # type: ignore[union-attr]
         if sock is not None and transport.get_extra_info("ssl_object") is None:
             self.fd = sock.fileno()
+            self.is_closing = transport.is_closing
         self.state.connections.add(self)
         self.state.no_connections.clear()
         self.counters["connections_accepted"] += 1
@@ -357,6 +366,7 @@ class LMProtocol(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.fd = -1
         if self in self.state.connections:
             self.state.connections.discard(self)
             self.add_counts()
@@ -1009,9 +1019,14 @@ class LMProtocol(asyncio.BufferedProtocol):
     def _send(self, data: bytes | memoryview) -> None:
         """Write ``data`` after everything written before it: straight to the socket while the
         transport holds nothing unsent (``write_paused`` is False exactly then: its high-water
-        mark is 0), and what the socket does not take (or everything, on an error) through
-        the transport, which queues it and pauses writing until it is sent."""
-        if self.fd >= 0 and not self.write_paused:
+        mark is 0) and is not closing, and what the socket does not take (or everything, on an
+        error) through the transport, which queues it and pauses writing until it is sent.
+
+        Not once the transport is closing: it closes the descriptor at once (uvloop, on an
+        error or our own close), and the next accepted connection may get the same number
+        before connection_lost reaches us; a reply completed meanwhile (a lower-tier fetch)
+        would go to that other client."""
+        if self.fd >= 0 and not self.write_paused and not self.is_closing():
             sent = _send_nowait(self.fd, data)
             if sent == len(data):
                 return

@@ -226,6 +226,75 @@ def test_small_replies_to_a_late_reader_arrive_whole_and_in_order(wire: Wire) ->
     assert wire.call(Command.EXIST, "late0")[0].status == 200
 
 
+class _SocketTransport:
+    """The parts of a transport LMProtocol uses, over a real socket; writes are recorded."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.closing, self.written = sock, False, bytearray()
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return {"peername": ("127.0.0.1", 1), "socket": self.sock}.get(name, default)
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def writelines(self, pieces: list[bytes]) -> None:
+        for piece in pieces:
+            self.write(piece)
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        return None
+
+    def pause_reading(self) -> None:
+        return None
+
+    def resume_reading(self) -> None:
+        return None
+
+
+async def test_replies_never_go_to_the_descriptor_of_a_closing_transport() -> None:
+    """A closing transport has closed (or is closing) its descriptor, and the next accepted
+    connection may be given the same number before connection_lost arrives: a reply finished
+    meanwhile must go to the transport (which drops it), never to that descriptor."""
+    from lmproto import encode_request
+    from lmserver.config import ServerConfig
+    from lmserver.connection import LMProtocol
+    from lmserver.server import Server
+
+    server = Server(ServerConfig(host="127.0.0.1", port=0, memory_limit=1 << 26))
+    await server.state.store.open()
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        peer = socket.create_connection(listener.getsockname())
+        ours, _ = listener.accept()
+    with ours, peer:
+        ours.setblocking(False)
+        transport = _SocketTransport(ours)
+        proto = LMProtocol(server.state)
+        proto.connection_made(transport)  # type: ignore[arg-type]
+
+        def exist(key: str) -> None:
+            request = encode_request(Command.EXIST, key)
+            proto.get_buffer(len(request))[: len(request)] = request
+            proto.buffer_updated(len(request))
+
+        exist("a")
+        assert len(peer.recv(100)) == 8  # a v0 reply, sent on the socket itself
+        transport.closing = True
+        exist("b")
+        assert len(transport.written) == 8  # handed to the transport instead
+        peer.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            peer.recv(100)
+        proto.connection_lost(None)
+    await server.state.store.close()
+
+
 def test_one_byte_at_a_time(server_thread) -> None:
     with Wire(server_thread.host, server_thread.port, Generation.V1) as w:
         data = w.frame(Command.PUT_ACK, "slow", b"trickled body") + w.frame(Command.GET, "slow")
