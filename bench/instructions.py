@@ -103,15 +103,15 @@ def _callgrind(out: Path, name: str) -> list[str]:
     return ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out / name}.cg"]
 
 
-def _count(target: Target, out: Path, dumps: list[int], work: Callable[[], None]) -> int:
+def _count(target: Target, out: Path, work: Callable[[], None]) -> int:
     """Instructions ``target``'s process executes while ``work`` runs: its counters are zeroed,
-    ``work`` runs, the counters are dumped (to ``NAME.cg.K``, K counting the dumps) and read."""
+    ``work`` runs, the counters are dumped (callgrind numbers its dumps: ``NAME.cg.1``, ``.2``,
+    ...) and read."""
     assert target.pid is not None
+    dump = out / f"{target.name}.cg.{len(list(out.glob(f'{target.name}.cg.*'))) + 1}"  # the next one
     subprocess.run(["callgrind_control", "--zero", str(target.pid)], check=True, capture_output=True)
     work()
     subprocess.run(["callgrind_control", "--dump", str(target.pid)], check=True, capture_output=True)
-    dumps[0] += 1
-    dump = out / f"{target.name}.cg.{dumps[0]}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if dump.exists():
@@ -130,7 +130,6 @@ def _server_counts(target: Target, out: Path, requests: int) -> dict[tuple[str, 
     body, dest = memoryview(bytes(4096)), memoryview(bytearray(4096))
     if driver.put([0], body) != 1:
         raise SystemExit(f"{target.name}: the priming PUT was refused")
-    dumps = [0]
     counts = {}
     for command, depth in SERVER_CASES:
         idxs = [0] * depth
@@ -142,7 +141,7 @@ def _server_counts(target: Target, out: Path, requests: int) -> dict[tuple[str, 
                 if hits != len(idxs):
                     raise SystemExit(f"{target.name}: {command} missed the stored key")
 
-        counts[command, depth] = _count(target, out, dumps, work) / (rounds * depth)
+        counts[command, depth] = _count(target, out, work) / (rounds * depth)
     driver.close()
     return counts
 

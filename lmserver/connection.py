@@ -255,7 +255,8 @@ class LMProtocol(asyncio.BufferedProtocol):
         self.closed = False
         self.address: str | None = None  # counted against max_connections_per_address
         self.sock: Any = None  # the transport's socket, for TCP_QUICKACK (see _ack_now)
-        # The socket's descriptor while replies may be sent on it directly (_send), else -1.
+        # The socket's descriptor if replies may be sent on it directly (a plain socket;
+        # only while the transport is not closing: see _send), else -1.
         self.fd = -1
         # transport.is_closing, bound once: the fd is closed (and may be reused by the next
         # accepted connection) as soon as the transport closes, before connection_lost.
@@ -366,7 +367,6 @@ class LMProtocol(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self.fd = -1
         if self in self.state.connections:
             self.state.connections.discard(self)
             self.add_counts()

@@ -195,7 +195,7 @@ def test_instructions_drives_every_server_case(tmp_path: Path, monkeypatch: pyte
 
     ran: list[int] = []
 
-    def count(target: Any, out: Path, dumps: list[int], work: Any) -> int:
+    def count(target: Any, out: Path, work: Any) -> int:
         work()
         ran.append(1)
         return 1000

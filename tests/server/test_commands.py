@@ -20,7 +20,11 @@ from lmproto import (
     decode_key_lines,
     decode_presence,
     encode_key_list,
+    encode_request,
 )
+from lmserver.config import ServerConfig
+from lmserver.connection import LMProtocol
+from lmserver.server import Server
 
 GENERATIONS = [Generation.V0, Generation.V1]
 
@@ -262,11 +266,6 @@ async def test_replies_never_go_to_the_descriptor_of_a_closing_transport() -> No
     """A closing transport has closed (or is closing) its descriptor, and the next accepted
     connection may be given the same number before connection_lost arrives: a reply finished
     meanwhile must go to the transport (which drops it), never to that descriptor."""
-    from lmproto import encode_request
-    from lmserver.config import ServerConfig
-    from lmserver.connection import LMProtocol
-    from lmserver.server import Server
-
     server = Server(ServerConfig(host="127.0.0.1", port=0, memory_limit=1 << 26))
     await server.state.store.open()
     with socket.create_server(("127.0.0.1", 0)) as listener:
