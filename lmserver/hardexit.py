@@ -2,7 +2,7 @@
 
 Why this exists: NIXL's OBJ plugin registers a C ``atexit`` handler (``Aws::ShutdownAPI``)
 that waits, forever, until every S3 client is destroyed. The NIXL tier deliberately keeps an
-agent alive when one of its transfers was cancelled by a timeout, because destroying it
+agent alive while a transfer it gave up at a timeout still runs, because destroying it
 blocks (with the GIL held) until the hung request dies: about 135 s against an endpoint that
 never answers. With such an agent alive, a normal interpreter exit never ends.
 

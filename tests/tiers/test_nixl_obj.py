@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
+import re
 import socket
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from tiers.nixl_support import META, SIZES, S3Server, fetch, obj_spec, opened, payload, s3
@@ -140,6 +144,116 @@ async def test_a_dead_endpoint_fails_within_the_timeout(s3: S3Server, blackhole:
         # NIXL on its own gives up only after about 25 s; 1 s timeouts bound it far below.
         assert time.monotonic() - started < 20
         assert good.healthy
+
+
+def answer_forbidden(listener: socket.socket) -> None:
+    """Answer each request on ``listener`` with 403 (which the S3 SDK does not retry),
+    until it is closed; requests whose sender gave up are answered too, into the void."""
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except OSError:  # closed: done
+            return
+        with conn, contextlib.suppress(OSError):
+            conn.settimeout(2)  # a client that opened a connection and went quiet
+            data = b""
+            while b"\r\n\r\n" not in data and (chunk := conn.recv(65536)):
+                data += chunk
+            head, _, body = data.partition(b"\r\n\r\n")
+            if b"100-continue" not in head.lower():  # else the body is never sent
+                length = re.search(rb"(?i)content-length:\s*(\d+)", head)
+                while length and len(body) < int(length.group(1)) and (chunk := conn.recv(65536)):
+                    body += chunk
+            conn.sendall(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+
+
+async def test_a_transfer_given_up_at_its_deadline_is_released_only_once_it_ends(s3: S3Server) -> None:
+    """A request given up at the deadline still runs in NIXL: its handle is kept until the
+    request has ended, then released, and the agent and its buffer are torn down normally."""
+    slow = socket.socket()  # accepts connections, answers only once told to
+    slow.bind(("127.0.0.1", 0))
+    slow.listen(64)
+    endpoint = f"http://127.0.0.1:{slow.getsockname()[1]}"
+    spec = f"nixl:s3://{s3.bucket()}/kv?endpoint={endpoint}&access_key=test&secret_key=test&timeout=1&capacity=1MiB"
+    answering = threading.Thread(target=answer_forbidden, args=(slow,), daemon=True)
+    try:
+        async with opened(spec) as tier:
+            assert not await tier.put("x", memoryview(payload(100 * KiB)), META)
+            assert tier.usage().counters["timeouts"] == 1
+            lanes = list(tier._lanes)
+            # The caller's deadline and the lane's are the same: let the lane finish first
+            # (only an idle lane's agent may be asked from this thread).
+            await until(lambda: all(lane.pending == 0 for lane in lanes))
+            assert sum(lane.agent.unfinished for lane in lanes) == 1  # kept, not released
+            answering.start()  # the request now ends
+            await until(lambda: sum(lane.agent.unfinished for lane in lanes) == 0)
+        # Nothing left running: each lane's agent and staging buffer were torn down.
+        assert all(lane.staging.closed for lane in lanes)
+    finally:
+        with contextlib.suppress(OSError):
+            slow.shutdown(socket.SHUT_RDWR)  # wakes the accept() in progress (Linux)
+        slow.close()
+        if answering.ident:
+            answering.join()
+
+
+def answer_puts_with_500(listener: socket.socket, needle: bytes, puts: int) -> int:
+    """Answer requests on ``listener`` (500 to a PUT, which the S3 SDK retries, re-reading
+    its body; 403 to anything else) until ``puts`` PUT bodies containing ``needle`` came."""
+    seen = 0
+    while seen < puts:
+        conn, _ = listener.accept()
+        with conn, contextlib.suppress(OSError):
+            conn.settimeout(30)  # only detects a hang
+            data = b""
+            while b"\r\n\r\n" not in data and (chunk := conn.recv(65536)):
+                data += chunk
+            head, _, body = data.partition(b"\r\n\r\n")
+            status = b"403 Forbidden"
+            if head.startswith(b"PUT "):
+                if b"100-continue" in head.lower():
+                    conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+                while needle not in body and (chunk := conn.recv(65536)):
+                    body += chunk
+                seen += needle in body
+                status = b"500 Internal Server Error"
+            conn.sendall(b"HTTP/1.1 " + status + b"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+    return seen
+
+
+async def test_the_buffer_a_given_up_put_reads_outlives_its_tier(s3: S3Server) -> None:
+    """The S3 SDK re-reads a PUT's body from the lane's staging buffer on every retry, also
+    after the tier gave the PUT up and closed: that buffer lives on with the agent (a lane
+    collected with it unmapped its buffer and crashed a test run in a curl thread)."""
+    slow = socket.socket()
+    slow.bind(("127.0.0.1", 0))
+    slow.listen(64)
+    endpoint = f"http://127.0.0.1:{slow.getsockname()[1]}"
+    spec = f"nixl:s3://{s3.bucket()}/kv?endpoint={endpoint}&access_key=test&secret_key=test&timeout=1&capacity=1MiB"
+    body = payload(100 * KiB, seed=7)
+    try:
+        async with opened(spec) as tier:
+            assert not await tier.put("x", memoryview(body), META)
+            lanes = list(tier._lanes)
+            await until(lambda: all(lane.pending == 0 for lane in lanes))
+            assert sum(lane.agent.unfinished for lane in lanes) == 1
+        # Closed with the PUT still running: only that lane's buffer is still mapped.
+        assert sorted(lane.staging.closed for lane in lanes) == [False] + [True] * (len(lanes) - 1)
+        del tier
+        lanes.clear()  # nothing of ours holds the lanes now
+        gc.collect()
+        # The first attempt, then a retry that reads the body again, after the lane is gone.
+        needle = bytes(body[300:500])
+        assert await asyncio.to_thread(answer_puts_with_500, slow, needle, 2) == 2
+    finally:
+        slow.close()
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 60  # only detects a hang
+    while not condition():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
 
 
 def test_missing_bucket_is_a_config_error(s3: S3Server) -> None:

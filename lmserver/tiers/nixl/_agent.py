@@ -8,9 +8,13 @@ Facts behind the choices here are in the probe notes summarised in README.md ("N
 * The agent is created with no default backends (the default is UCX, network only) and
   ``NIXL_THREAD_SYNC_STRICT``, because a lane's thread and a Store worker reading a victim
   may both use it.
-* A transfer is polled until a deadline, then its handle is released, which cancels it
-  (measured: a PROC handle on a dead S3 endpoint releases in microseconds, where NIXL on
-  its own fails only after about 25 s).
+* A transfer is polled until a deadline; past it the caller gets ``TransferTimeout`` at
+  once (NIXL on its own fails a dead S3 endpoint only after about 25 s), but the request
+  itself goes on: the S3 SDK keeps sending (and on each retry re-reads) a PUT's body from
+  the lane's staging buffer. So the handle is not released while the request runs (we do
+  not rely on a plugin's cancel); it is kept (``unfinished``) and released once it has
+  ended, checked before each new transfer and at close. An agent closed with one still
+  running lives on, with the staging buffer (``close(keep_alive=...)``).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ GDS_LIBRARIES = (
 
 
 class TransferTimeout(TierError):
-    """A transfer did not finish before its deadline; it was cancelled."""
+    """A transfer did not finish before its deadline; it was given up (see ``unfinished``)."""
 
 
 def load_api() -> ModuleType:
@@ -88,7 +92,10 @@ class Agent:
         except Exception as exc:  # nixl raises its own error classes for every failure
             raise ConfigError(f"NIXL backend {backend} could not be created: {exc}") from None
         self.backend = backend
-        self.cancelled = False  # a transfer was cancelled at its deadline
+        # Handles of transfers given up at their deadline and still running (see above).
+        # Only the lane's thread transfers, so only it (and close, after the lane stopped)
+        # touches this list.
+        self._unfinished: list[Any] = []
         self.storage_mem = "OBJ" if backend == "OBJ" else "FILE"
 
     # -- registrations (each call is one registration; keep the handle to deregister) ------
@@ -117,6 +124,7 @@ class Agent:
     ) -> None:
         """READ (storage -> memory) or WRITE (memory -> storage) the descriptor pairs;
         raises TransferTimeout past ``deadline`` (time.monotonic) or TierError."""
+        self._release_ended()
         agent = self._agent
         handle = self._call(
             agent.initialize_xfer,
@@ -125,13 +133,13 @@ class Agent:
             agent.get_xfer_descs(remote, self.storage_mem),
             agent.name,
         )
+        state = "ERR"
         try:
             state = self._call(agent.transfer, handle)
             pause = 0.0001
             while state == "PROC":
                 if time.monotonic() >= deadline:
-                    self.cancelled = True
-                    raise TransferTimeout(f"{op} did not finish in time; cancelled")
+                    raise TransferTimeout(f"{op} did not finish in time; given up")
                 # POSIX buffered I/O completes inside transfer(); OBJ and O_DIRECT run in
                 # the background: back off so polling does not burn a shared CPU.
                 time.sleep(pause)
@@ -140,22 +148,55 @@ class Agent:
             if state != "DONE":
                 raise TierError(f"NIXL {op} ended in state {state}")
         finally:
-            # Cancels it if still in progress; the transfer's own outcome is what matters.
-            with contextlib.suppress(Exception):
-                agent.release_xfer_handle(handle)
+            if state == "PROC":
+                self._unfinished.append(handle)
+            else:
+                self._release(handle)
 
-    def close(self) -> None:
-        agent, self._agent = self._agent, None
-        if self.cancelled:
-            # Destroying an agent whose backend still holds a request that a timeout
-            # cancelled waits for that request to die, holding the GIL (measured: 135 s
-            # against an endpoint that never answers, the whole process frozen). Leak it
-            # instead, past interpreter exit too (the OS reclaims it with the process),
-            # with its lane's staging buffer, which the request may still be using.
-            # NIXL's OBJ plugin would then wait forever at process exit for this agent's
-            # S3 client (its C atexit handler): have the process skip native cleanup.
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(agent))
-            hardexit.require("a NIXL agent with a cancelled transfer is still alive")
+    @property
+    def unfinished(self) -> int:
+        """Transfers given up at their deadline that are still running (checked now).
+        Ask from the lane's thread, or from any thread while the lane is idle or stopped."""
+        self._release_ended()
+        return len(self._unfinished)
+
+    def _release_ended(self) -> None:
+        if self._agent is None:  # closed: whatever still runs is kept alive with it
+            return
+        still = []
+        for handle in self._unfinished:
+            try:
+                state = self._agent.check_xfer_state(handle)
+            except Exception:  # an ended request that failed: nixl raises its own classes
+                state = "ERR"
+            if state == "PROC":
+                still.append(handle)
+            else:
+                self._release(handle)
+        self._unfinished = still
+
+    def _release(self, handle: Any) -> None:
+        # The transfer's own outcome is what matters; a failed release leaks one handle.
+        with contextlib.suppress(Exception):
+            self._agent.release_xfer_handle(handle)
+
+    def close(self, keep_alive: object = None) -> None:
+        """Destroy the agent, unless a transfer given up at its deadline still runs: then
+        the agent, its running handles and ``keep_alive`` (the memory those transfers may
+        still read or write) live until the process ends."""
+        if self._unfinished and self.unfinished:
+            # Destroying an agent whose backend still runs a request waits for that request
+            # to die, holding the GIL (measured: 135 s against an endpoint that never
+            # answers, the whole process frozen). Leak it instead, past interpreter exit too
+            # (the OS reclaims it with the process), with the running handles (nixl releases
+            # a dropped handle from its finalizer, at any time, on whichever thread collects
+            # it) and the buffer the request reads: the S3 SDK reads a PUT's body from it
+            # again on every retry (a freed buffer crashed a test run in a curl thread).
+            # NIXL's OBJ plugin would then wait forever at process exit for this agent's S3
+            # client (its C atexit handler): have the process skip native cleanup.
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object((self._agent, self._unfinished, keep_alive)))
+            hardexit.require("a NIXL agent with an abandoned transfer is still alive")
+        self._agent = None
 
     @staticmethod
     def _call(fn: Any, *args: Any) -> Any:

@@ -8,7 +8,7 @@ The staging buffer (page-aligned ``mmap``, registered once per agent) carries ev
 transfer, with one copy in and out of the caller's buffer. Chosen over registering the
 caller's buffer per operation (about 5 us per register/deregister here, so not for speed):
 
-* a timed-out transfer is cancelled but may still land later (an S3 GET in flight): it may
+* a timed-out transfer is given up but may still land later (an S3 GET in flight): it may
   scribble on the lane's own buffer, never on a memory-tier buffer already reused for
   another object (the checksums catch a scribbled staging buffer);
 * OBJ writes a whole object from one contiguous buffer (header + body in one PUT);
@@ -148,10 +148,11 @@ class Lane:
 
     def close(self) -> None:
         """After ``stop``: deregister and destroy the agent (blocking)."""
-        if self.agent.cancelled:
-            # A cancelled request may still read or write the staging buffer: leave it
-            # mapped and registered, with the agent (see Agent.close).
-            self.agent.close()
+        if self.agent.unfinished:
+            # A request given up at its deadline may still read or write the staging
+            # buffer: it stays mapped and registered, alive with the agent (Agent.close);
+            # this Lane may be collected, the mmap object must not be (its dealloc unmaps).
+            self.agent.close(keep_alive=self.staging)
             return
         with contextlib.suppress(TierError):
             self.agent.deregister(self._reg)
