@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import itertools
 import os
 import platform
 import shlex
@@ -209,8 +210,10 @@ class Runner:
                 self.memory.append(rec)
 
     def run_store(self, pool: ClientPool) -> None:
-        """The store limit: the raw peer writing each PUT into the next of many cold buffers."""
-        if "put" not in self.ops:
+        """The store limit: the raw peer writing each PUT into, and answering each GET from,
+        the next of many cold buffers."""
+        ops = [op for op in ("put", "get") if op in self.ops]
+        if not ops:
             return
         # As many distinct buffers as the servers get distinct keys (--key-budget per size).
         store = start_raw("store", self.key_budget)
@@ -220,12 +223,12 @@ class Runner:
                 return
             for size in self.sizes:
                 prime_store(store.spec.host, store.spec.port, size)  # builds its ring, untimed
-                for n in self.clients:
+                for n, op in itertools.product(self.clients, ops):
                     for depth in (1, self.depth):
                         eff = max(2, min(depth, PIPE_BYTES // size)) if depth > 1 else 1
                         spec = CellSpec(
                             target=store.spec,
-                            op="put",
+                            op=op,
                             size=size,
                             depth=eff,
                             keys=self.keys_per_client(size, n),

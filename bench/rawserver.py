@@ -11,8 +11,9 @@ measured on this machine (see shared/reference/zerocopy.md).
 
 Started with ``ring_bytes`` (the *store limit*, target ``store``), PUT bodies go instead
 into a ring of pre-touched buffers of the object's size, ``ring_bytes`` of them in all per
-size, each PUT into the next: as a store must, it writes every object into memory that is
-cold in the CPU caches (a single reused buffer stays warm, which no store can match).
+size, each PUT into the next, and each GET is answered from the next: as a store must, it
+writes every object into, and serves every object from, memory that is cold in the CPU
+caches (a single reused buffer stays warm, which no store can match).
 """
 
 from __future__ import annotations
@@ -99,11 +100,14 @@ def _serve_conn(sock: socket.socket, ring: Ring | None = None) -> None:
                         pos += got
                 if cmd == 2:
                     size = raw_size_of(raw.decode("utf-8", "replace").strip())
-                    out = _grow(out, size)
+                    if ring is not None:  # each reply from the next cold buffer
+                        src = ring.next(size)
+                    else:
+                        src = out = _grow(out, size)
                     if replies:
                         sock.sendall(b"".join(replies))
                         replies = []
-                    sock.sendmsg([REPLY.pack(200, size), memoryview(out)[:size]])
+                    sock.sendmsg([REPLY.pack(200, size), memoryview(src)[:size]])
                 elif cmd in (3, 101, 5):
                     replies.append(OK)
                 elif cmd != 1:
@@ -126,7 +130,8 @@ def _serve_conn(sock: socket.socket, ring: Ring | None = None) -> None:
 def serve(conn: Connection, ring_bytes: int = 0) -> None:
     """Process entry point: bind 127.0.0.1 on a free port, report it, serve until told to stop.
 
-    ``ring_bytes`` > 0: PUT bodies cycle through that many bytes of buffers (the store limit).
+    ``ring_bytes`` > 0: PUT bodies and GET replies cycle through that many bytes of buffers
+    per object size (the store limit).
     """
     ring = Ring(ring_bytes) if ring_bytes else None
     lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

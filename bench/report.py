@@ -102,8 +102,9 @@ def compute_ratios(cells: list[dict[str, Any]]) -> None:
     EXIST: requests/s over the raw peer's EXIST at the same depth and client count.
     ratio_raw_same: the raw peer running the identical op/depth/size/clients.
     ratio_redis: redis (redis-local, else any redis:// target) on the same cell.
-    ratio_store: PUT cells over the store limit (target ``store``: the raw peer writing each
-    object into the next of many cold buffers) on the same cell.
+    ratio_store: PUT and GET cells over the store limit (target ``store``: the raw peer
+    writing each object into, and sending each GET reply from, the next of many cold
+    buffers) on the same cell.
     Byte workloads compare GB/s (GET bytes count hits only), EXIST compares requests/s.
     """
     phys = {_key(c): c for c in cells if c["target"] == "phys" and c.get("round", "phys") == "phys"}

@@ -88,7 +88,7 @@ def test_phys_only(tmp_path: Path) -> None:
     names = [t["name"] for t in doc["targets"]]
     assert names == ["phys", "store"]
     store = _cells(doc, "store")
-    assert store and {c["op"] for c in store} == {"put"} and all(c["gbps"] for c in store)
+    assert store and {c["op"] for c in store} == {"put", "get"} and all(c["gbps"] for c in store)
     phys = _cells(doc, "phys")
     assert {c["op"] for c in phys} >= {"stream_put", "stream_get", "put", "get", "exist", "mixed"}
     _check_target(doc, "phys")
@@ -115,7 +115,8 @@ def test_lmserver(tmp_path: Path) -> None:
         assert c["server_cpu_s"] is not None
         if "redis-local" in by_name and not by_name["redis-local"]["skipped"]:
             assert c["ratio_redis"] is not None
-        assert (c["ratio_store"] is not None) == (c["op"] == "put")  # PUTs against the store limit
+        # PUTs and GETs against the store limit
+        assert (c["ratio_store"] is not None) == (c["op"] in ("put", "get")), c
     disk = by_name["lmserver+disk"]
     if disk["skipped"]:
         assert disk["note"].startswith("skipped:")
