@@ -1,0 +1,157 @@
+"""Small requests, lmserver against Redis, interleaved: ``python -m bench.versus``.
+
+Why this exists: ``python -m bench run`` measures one server after the other, so on a shared
+host a ratio also carries whatever the host's load did between the two blocks (a third, in
+minutes, on the development VM). Here both servers run for the whole session (the idle one
+costs nothing) and each cell is measured in rounds, alternating which server goes first
+(A B, B A, ...), so the two figures of a round are seconds apart. The table gives, per cell,
+the median of the per-round ratios and their range, with each server's median requests/s
+and server CPU per request. Same clients, drivers and keys as ``bench run``.
+
+    python -m bench.versus                                  # EXIST and 4 KiB GET, 1/4/16 clients
+    python -m bench.versus --rounds 5 --depths 1,16,1000 --clients 1 --ops exist
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from . import report
+from .targets import Target, server_sample, start_lmserver, start_redis_local
+from .worker import CellSpec, ClientPool
+
+KEYS_PER_CLIENT = 512
+
+
+def measure(
+    pool: ClientPool, target: Target, op: str, size: int, clients: int, depth: int, seconds: float
+) -> dict[str, Any]:
+    """One timed cell on ``target`` (keys stored first, untimed): requests/s and CPU/request."""
+    assert target.spec is not None
+    spec = CellSpec(target.spec, op, size, depth, KEYS_PER_CLIENT, seconds, 10**9, clients, preload=True)
+    before: list[tuple[float, int] | None] = []
+
+    def on_start() -> None:  # the clients are released: the server's CPU so far
+        before.append(server_sample(target.pid))
+
+    results, problem = pool.run(spec, on_start)
+    after = server_sample(target.pid)
+    cell = report.summarize_cell(results, size)
+    start = before[0] if before else None
+    cpu = after[0] - start[0] if after and start else None
+    ops = cell["ops"]
+    return {
+        "ops_per_s": cell["ops_per_s"],
+        "cpu_us_per_op": cpu / ops * 1e6 if cpu is not None and ops else None,
+        "problem": problem or (cell["client_errors"] or [None])[0],
+    }
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    clients = [int(c) for c in args.clients.split(",")]
+    pool = ClientPool(clients)
+    servers = [start_lmserver("lmserver", out, None, [], "1GiB"), start_redis_local(out)]
+    rows: list[dict[str, Any]] = []
+    try:
+        for s in servers:
+            if s.spec is None:
+                raise SystemExit(f"{s.name}: {s.note}")
+        size = report.parse_size(args.size)
+        for op, n, depth in itertools.product(
+            args.ops.split(","), clients, [int(d) for d in args.depths.split(",")]
+        ):
+            per: dict[str, list[dict[str, Any]]] = {s.name: [] for s in servers}
+            for r in range(args.rounds):
+                for s in servers if r % 2 == 0 else servers[::-1]:
+                    per[s.name].append(measure(pool, s, op, size, n, depth, args.duration))
+            rows.append(summarize(op, size, n, depth, per))
+            print(format_row(rows[-1]), flush=True)
+    finally:
+        for s in servers:
+            s.stop()
+        pool.close()
+    return rows
+
+
+def summarize(
+    op: str, size: int, clients: int, depth: int, per: dict[str, list[dict[str, Any]]]
+) -> dict[str, Any]:
+    lm, rd = per["lmserver"], per["redis-local"]
+    ratios = [
+        a["ops_per_s"] / b["ops_per_s"]
+        for a, b in zip(lm, rd, strict=True)
+        if a["ops_per_s"] and b["ops_per_s"]
+    ]
+
+    def median(rounds: list[dict[str, Any]], key: str) -> float | None:
+        values = [m[key] for m in rounds if m[key] is not None]
+        return statistics.median(values) if values else None
+
+    return {
+        "op": op,
+        "size": size,
+        "clients": clients,
+        "depth": depth,
+        "ratio_median": statistics.median(ratios) if ratios else None,
+        "ratio_min": min(ratios, default=None),
+        "ratio_max": max(ratios, default=None),
+        "lmserver_ops_per_s": median(lm, "ops_per_s"),
+        "redis_ops_per_s": median(rd, "ops_per_s"),
+        "lmserver_cpu_us": median(lm, "cpu_us_per_op"),
+        "redis_cpu_us": median(rd, "cpu_us_per_op"),
+        "problems": [m["problem"] for m in lm + rd if m["problem"]],
+        "rounds": per,
+    }
+
+
+def _f(v: float | None, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def format_row(row: dict[str, Any]) -> str:
+    return (
+        f"| {row['op']} | {report.fmt_size(row['size'])} | {row['clients']} | {row['depth']} "
+        f"| {_f(row['ratio_median'], '.2f')} ({_f(row['ratio_min'], '.2f')}-{_f(row['ratio_max'], '.2f')}) "
+        f"| {_f(row['lmserver_ops_per_s'] and row['lmserver_ops_per_s'] / 1e3, '.1f')} "
+        f"| {_f(row['redis_ops_per_s'] and row['redis_ops_per_s'] / 1e3, '.1f')} "
+        f"| {_f(row['lmserver_cpu_us'], '.2f')} | {_f(row['redis_cpu_us'], '.2f')} |"
+        + (f" {row['problems'][0]}" if row["problems"] else "")
+    )
+
+
+HEADER = (
+    "| op | size | clients | depth | x Redis, median (range) | lmserver k/s | Redis k/s "
+    "| lmserver CPU us/req | Redis CPU us/req |\n|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ops", default="exist,get", help="comma list of exist, get")
+    parser.add_argument("--size", default="4K", help="object size for GET (default 4K)")
+    parser.add_argument("--clients", default="1,4,16")
+    parser.add_argument("--depths", default="1,16", help="pipeline depths (1 = one at a time)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--duration", type=float, default=1.0, help="seconds per measurement")
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / f"versus-{stamp}")
+    args = parser.parse_args(argv)
+    print(HEADER, flush=True)
+    rows = run(args)
+    (args.out / "versus.json").write_text(
+        json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1)
+    )
+    print(f"results: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

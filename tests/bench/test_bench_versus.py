@@ -1,0 +1,40 @@
+"""``python -m bench.versus`` end to end: both servers started, every cell measured in
+alternating rounds, the table and JSON written. No timing assertions."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
+def test_versus_measures_every_cell_in_alternating_rounds(tmp_path: Path) -> None:
+    out = tmp_path / "vs"
+    args = ["--ops", "exist,get", "--clients", "1,2", "--depths", "1,4"]
+    args += ["--rounds", "2", "--duration", "0.05"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.versus", *args, "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads((out / "versus.json").read_text())["rows"]
+    assert [(r["op"], r["clients"], r["depth"]) for r in rows] == [
+        (op, n, d) for op in ("exist", "get") for n in (1, 2) for d in (1, 4)
+    ]
+    for r in rows:
+        assert not r["problems"], r["problems"]
+        assert all(len(r["rounds"][s]) == 2 for s in ("lmserver", "redis-local"))
+        assert r["ratio_min"] <= r["ratio_median"] <= r["ratio_max"]
+        assert r["lmserver_cpu_us"] is not None and r["redis_cpu_us"] is not None
+    table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert len(table) == 1 + len(rows)  # the header, then a line per cell as it is measured
