@@ -130,6 +130,26 @@ def restart(args: argparse.Namespace) -> int:
     return 0
 
 
+def measure_cell(pool: ClientPool, target: Target, spec: CellSpec) -> tuple[dict[str, Any], str | None]:
+    """Run one cell: the clients' summary (report.summarize_cell) with the server's CPU and
+    RSS over it, and the pool's problem if any."""
+    before: list[tuple[float, int] | None] = [None]
+
+    def on_start() -> None:
+        before[0] = server_sample(target.pid)
+
+    results, problem = pool.run(spec, on_start)
+    after = server_sample(target.pid)
+    cell = report.summarize_cell(results, spec.size)
+    cpu = after[0] - before[0][0] if after and before[0] else None
+    cell["server_cpu_s"] = cpu
+    cell["server_rss_bytes"] = after[1] if after else None
+    moved = cell["bytes"] or 0
+    cell["cpu_s_per_gb"] = cpu / (moved / 1e9) if cpu is not None and moved >= 1e6 else None
+    cell["cpu_us_per_op"] = cpu / cell["ops"] * 1e6 if cpu is not None and cell["ops"] else None
+    return cell, problem
+
+
 class Runner:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -254,13 +274,6 @@ class Runner:
                 self.run_cell(pool, self.raw, spec, 1, rnd)
 
     def run_cell(self, pool: ClientPool, target: Target, spec: CellSpec, depth: int, rnd: str) -> None:
-        before: list[tuple[float, int] | None] = [None]
-
-        def on_start() -> None:
-            before[0] = server_sample(target.pid)
-
-        results, problem = pool.run(spec, on_start)
-        after = server_sample(target.pid)
         cell: dict[str, Any] = {
             "target": target.name,
             "op": spec.op,
@@ -271,13 +284,8 @@ class Runner:
             "clients": spec.clients,
             "keys_per_client": spec.keys,
         }
-        cell.update(report.summarize_cell(results, spec.size))
-        cpu = after[0] - before[0][0] if after and before[0] else None
-        cell["server_cpu_s"] = cpu
-        cell["server_rss_bytes"] = after[1] if after else None
-        moved = cell["bytes"] or 0
-        cell["cpu_s_per_gb"] = cpu / (moved / 1e9) if cpu is not None and moved >= 1e6 else None
-        cell["cpu_us_per_op"] = cpu / cell["ops"] * 1e6 if cpu is not None and cell["ops"] else None
+        measured, problem = measure_cell(pool, target, spec)
+        cell.update(measured)
         if problem:
             cell["problem"] = problem
             self.notes.append(f"{target.name} {spec.op} {spec.size} x{spec.clients}: {problem}")

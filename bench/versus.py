@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from . import report
-from .targets import Target, server_sample, start_lmserver, start_redis_local
+from .cli import measure_cell
+from .targets import Target, start_lmserver, start_redis_local
 from .worker import CellSpec, ClientPool
 
 KEYS_PER_CLIENT = 512
@@ -35,20 +36,10 @@ def measure(
     """One timed cell on ``target`` (keys stored first, untimed): requests/s and CPU/request."""
     assert target.spec is not None
     spec = CellSpec(target.spec, op, size, depth, KEYS_PER_CLIENT, seconds, 10**9, clients, preload=True)
-    before: list[tuple[float, int] | None] = []
-
-    def on_start() -> None:  # the clients are released: the server's CPU so far
-        before.append(server_sample(target.pid))
-
-    results, problem = pool.run(spec, on_start)
-    after = server_sample(target.pid)
-    cell = report.summarize_cell(results, size)
-    start = before[0] if before else None
-    cpu = after[0] - start[0] if after and start else None
-    ops = cell["ops"]
+    cell, problem = measure_cell(pool, target, spec)
     return {
         "ops_per_s": cell["ops_per_s"],
-        "cpu_us_per_op": cpu / ops * 1e6 if cpu is not None and ops else None,
+        "cpu_us_per_op": cell["cpu_us_per_op"],
         "problem": problem or (cell["client_errors"] or [None])[0],
     }
 
