@@ -146,6 +146,26 @@ async def test_a_dead_endpoint_fails_within_the_timeout(s3: S3Server, blackhole:
         assert good.healthy
 
 
+def silent_s3(s3: S3Server) -> tuple[socket.socket, str]:
+    """A socket that accepts connections and answers only when the test does, and the spec
+    of a tier (1 s timeout) that takes it for its S3 endpoint."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    endpoint = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    spec = f"nixl:s3://{s3.bucket()}/kv?endpoint={endpoint}&access_key=test&secret_key=test&timeout=1&capacity=1MiB"
+    return listener, spec
+
+
+def read_head(conn: socket.socket) -> tuple[bytes, bytes]:
+    """An HTTP request's head, and what of its body came with it."""
+    data = b""
+    while b"\r\n\r\n" not in data and (chunk := conn.recv(65536)):
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return head, body
+
+
 def answer_forbidden(listener: socket.socket) -> None:
     """Answer each request on ``listener`` with 403 (which the S3 SDK does not retry),
     until it is closed; requests whose sender gave up are answered too, into the void."""
@@ -156,10 +176,7 @@ def answer_forbidden(listener: socket.socket) -> None:
             return
         with conn, contextlib.suppress(OSError):
             conn.settimeout(2)  # a client that opened a connection and went quiet
-            data = b""
-            while b"\r\n\r\n" not in data and (chunk := conn.recv(65536)):
-                data += chunk
-            head, _, body = data.partition(b"\r\n\r\n")
+            head, body = read_head(conn)
             if b"100-continue" not in head.lower():  # else the body is never sent
                 length = re.search(rb"(?i)content-length:\s*(\d+)", head)
                 while length and len(body) < int(length.group(1)) and (chunk := conn.recv(65536)):
@@ -170,11 +187,7 @@ def answer_forbidden(listener: socket.socket) -> None:
 async def test_a_transfer_given_up_at_its_deadline_is_released_only_once_it_ends(s3: S3Server) -> None:
     """A request given up at the deadline still runs in NIXL: its handle is kept until the
     request has ended, then released, and the agent and its buffer are torn down normally."""
-    slow = socket.socket()  # accepts connections, answers only once told to
-    slow.bind(("127.0.0.1", 0))
-    slow.listen(64)
-    endpoint = f"http://127.0.0.1:{slow.getsockname()[1]}"
-    spec = f"nixl:s3://{s3.bucket()}/kv?endpoint={endpoint}&access_key=test&secret_key=test&timeout=1&capacity=1MiB"
+    slow, spec = silent_s3(s3)
     answering = threading.Thread(target=answer_forbidden, args=(slow,), daemon=True)
     try:
         async with opened(spec) as tier:
@@ -206,10 +219,7 @@ def answer_puts_with_500(listener: socket.socket, needle: bytes, puts: int) -> i
         conn, _ = listener.accept()
         with conn, contextlib.suppress(OSError):
             conn.settimeout(30)  # only detects a hang
-            data = b""
-            while b"\r\n\r\n" not in data and (chunk := conn.recv(65536)):
-                data += chunk
-            head, _, body = data.partition(b"\r\n\r\n")
+            head, body = read_head(conn)
             status = b"403 Forbidden"
             if head.startswith(b"PUT "):
                 if b"100-continue" in head.lower():
@@ -226,11 +236,7 @@ async def test_the_buffer_a_given_up_put_reads_outlives_its_tier(s3: S3Server) -
     """The S3 SDK re-reads a PUT's body from the lane's staging buffer on every retry, also
     after the tier gave the PUT up and closed: that buffer lives on with the agent (a lane
     collected with it unmapped its buffer and crashed a test run in a curl thread)."""
-    slow = socket.socket()
-    slow.bind(("127.0.0.1", 0))
-    slow.listen(64)
-    endpoint = f"http://127.0.0.1:{slow.getsockname()[1]}"
-    spec = f"nixl:s3://{s3.bucket()}/kv?endpoint={endpoint}&access_key=test&secret_key=test&timeout=1&capacity=1MiB"
+    slow, spec = silent_s3(s3)
     body = payload(100 * KiB, seed=7)
     try:
         async with opened(spec) as tier:
