@@ -184,7 +184,7 @@ class Agent:
         """Destroy the agent, unless a transfer given up at its deadline still runs: then
         the agent, its running handles and ``keep_alive`` (the memory those transfers may
         still read or write) live until the process ends."""
-        if self._unfinished and self.unfinished:
+        if self.unfinished:
             # Destroying an agent whose backend still runs a request waits for that request
             # to die, holding the GIL (measured: 135 s against an endpoint that never
             # answers, the whole process frozen). Leak it instead, past interpreter exit too
