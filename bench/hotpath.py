@@ -1,18 +1,20 @@
 """Per-request Python cost of the connection's hot path, in process: ``python -m bench.hotpath``.
 
 Strategy: one ``LMProtocol`` on a real Store, fed request frames through
-``get_buffer``/``buffer_updated`` as the event loop would, replies swallowed by a stand-in
-transport. No sockets, no event-loop wakeups: what is left is the Python work per request,
-the part that compiled code or fewer steps can shrink. It also measures where copying a
-small GET reply into one buffer stops beating pinning the object and writing two buffers
-(``LMProtocol.small_reply``, default ``SMALL_REPLY`` in lmserver/connection.py): the rows
-``get copy`` and ``get pin``.
+``get_buffer``/``buffer_updated`` as the event loop would, replies sent on a real loopback
+socket (straight or through a stand-in transport, as the connection chooses) and read back.
+No event loop, no wakeups, no reads from the request socket: what is left is the Python work
+per request and the kernel's send, the part that compiled code or fewer steps can shrink. It
+also measures where copying a small GET reply into the reply buffer stops beating pinning the
+object and writing two buffers (``LMProtocol.small_reply``, default ``SMALL_REPLY`` in
+lmserver/connection.py): the rows ``get copy`` and ``get pin``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import socket
 import time
 from typing import Any
 
@@ -24,25 +26,46 @@ from lmserver.server import Server
 
 
 class _Transport:
-    """Accepts every write at once, as a socket with room would."""
+    """A transport over a real loopback TCP socket, whose peer ``feed`` drains after every
+    burst: replies the connection sends straight to the socket and those it writes through
+    the transport both go through the kernel, as on a live server (the kernel's work is not in
+    valgrind's count; its time is in the timings)."""
 
     __module__ = "uvloop.stand_in"  # treated like uvloop's transport (writes are not copied)
 
     def __init__(self) -> None:
-        self.written = 0
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            self.peer = socket.create_connection(listener.getsockname())
+            self.sock, _ = listener.accept()
+        # Room for the largest burst of replies, so that no send is ever partial.
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
+        self.peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        self.written = 0  # bytes of replies the peer has received
+        self._sink = bytearray(8 << 20)
+
+    def drain(self) -> None:
+        while True:
+            try:
+                got = self.peer.recv_into(self._sink, 0, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return
+            self.written += got
+            if got < len(self._sink):
+                return  # loopback delivers a send before it returns: nothing more is coming
 
     def write(self, data: Any) -> None:
-        self.written += len(data)
+        self.sock.sendall(data)
 
     def writelines(self, parts: Any) -> None:
-        for part in parts:
-            self.written += len(part)
+        sent, size = self.sock.sendmsg(parts), sum(map(len, parts))
+        if sent != size:
+            raise RuntimeError(f"a partial writev ({sent} of {size} bytes)")
 
     def get_write_buffer_size(self) -> int:
         return 0
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return ("127.0.0.1", 1) if name == "peername" else default
+        return {"peername": ("127.0.0.1", 1), "socket": self.sock}.get(name, default)
 
     def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
         pass
@@ -64,10 +87,12 @@ class _Transport:
 
 
 def feed(proto: LMProtocol, data: bytes) -> None:
-    """Deliver ``data`` as the event loop would: into ``get_buffer``, then ``buffer_updated``."""
+    """Deliver ``data`` as the event loop would: into ``get_buffer``, then ``buffer_updated``;
+    then read the replies on the peer's side."""
     view = proto.get_buffer(len(data))
     view[: len(data)] = data
     proto.buffer_updated(len(data))
+    proto.transport.drain()  # type: ignore[union-attr]
 
 
 async def hot_connection(

@@ -1,4 +1,4 @@
-/* framed_copy and send_nowait in C: the twins of _framed.py, which documents the behaviour and
+/* send_nowait and ReplyBuffer in C: the twins of _framed.py, which documents the behaviour and
  * is the reference (tests/test_c_twins.py compares the two). */
 
 #define PY_SSIZE_T_CLEAN
@@ -6,14 +6,155 @@
 #include <errno.h>
 #include <limits.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 
+/* The descriptor in `fd`, or -1 with TypeError or ValueError (as the Python twin). */
+static int
+fd_of(PyObject *fd)
+{
+    if (!PyLong_Check(fd)) {
+        PyErr_Format(PyExc_TypeError, "fd must be an int, not %s", Py_TYPE(fd)->tp_name);
+        return -1;
+    }
+    int overflow = 0;
+    long value = PyLong_AsLongAndOverflow(fd, &overflow);
+    if (overflow || value < 0 || value > INT_MAX) {
+        PyErr_Format(PyExc_ValueError, "fd must be in 0..%d, not %R", INT_MAX, fd);
+        return -1;
+    }
+    return (int)value;
+}
+
+/* One send(2) of what fits; 0 if nothing could be sent, whatever the reason.
+ * The GIL stays held: the socket is non-blocking, so send() never waits (uvloop's writes
+ * run the same way). MSG_NOSIGNAL: a peer that is gone is an EPIPE, not a SIGPIPE. */
+static ssize_t
+send_all_it_takes(int fd, const void *data, Py_ssize_t length)
+{
+    ssize_t sent;
+    do {
+        sent = send(fd, data, (size_t)length, MSG_DONTWAIT | MSG_NOSIGNAL);
+    } while (sent < 0 && errno == EINTR);
+    return sent < 0 ? 0 : sent;
+}
+
 static PyObject *
-framed_copy(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+send_nowait(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "send_nowait(fd, data)");
+        return NULL;
+    }
+    int fd = fd_of(args[0]);
+    if (fd < 0) {
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[1], &view, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    ssize_t sent = send_all_it_takes(fd, view.buf, view.len);
+    PyBuffer_Release(&view);
+    return PyLong_FromSsize_t(sent);
+}
+
+/* ReplyBuffer: the small replies of one turn, copied one after another into one growing
+ * buffer of its own. Its memory is an anonymous mapping, as the staging buffers' (see
+ * connection.py): taken at the first reply, grown with mremap, and given back to the OS by
+ * release() when the connection goes quiet, not left as a hole in malloc's heap. */
+
+#define MIN_CAPACITY 4096
+
+typedef struct {
+    PyObject_HEAD
+    char *data;          /* NULL until the first reply, and after release() */
+    Py_ssize_t length;   /* bytes queued: data[0:length] */
+    Py_ssize_t capacity; /* bytes mapped */
+} ReplyBuffer;
+
+static PyObject *
+buffer_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    if (PyTuple_GET_SIZE(args) != 0 || (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "ReplyBuffer() takes no arguments");
+        return NULL;
+    }
+    return type->tp_alloc(type, 0); /* zeroed: no memory until the first reply */
+}
+
+static void
+buffer_unmap(ReplyBuffer *self)
+{
+    if (self->data != NULL) {
+        munmap(self->data, (size_t)self->capacity);
+    }
+    self->data = NULL;
+    self->length = self->capacity = 0;
+}
+
+static void
+buffer_dealloc(ReplyBuffer *self)
+{
+    PyTypeObject *type = Py_TYPE(self);
+    buffer_unmap(self);
+    type->tp_free(self);
+    Py_DECREF(type); /* a heap type */
+}
+
+/* Room for `more` bytes behind what is queued; -1 with MemoryError if it cannot be had. */
+static int
+buffer_reserve(ReplyBuffer *self, Py_ssize_t more)
+{
+    if (more <= self->capacity - self->length) {
+        return 0;
+    }
+    if (more > PY_SSIZE_T_MAX / 2 - self->length) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_ssize_t needed = self->length + more;
+    Py_ssize_t capacity = self->capacity ? self->capacity : MIN_CAPACITY;
+    while (capacity < needed) {
+        capacity *= 2; /* stays a multiple of the page size */
+    }
+    void *data = self->data == NULL
+                     ? mmap(NULL, (size_t)capacity, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+                     : mremap(self->data, (size_t)self->capacity, (size_t)capacity, MREMAP_MAYMOVE);
+    if (data == MAP_FAILED) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    self->data = data;
+    self->capacity = capacity;
+    return 0;
+}
+
+static PyObject *
+buffer_add(ReplyBuffer *self, PyObject *data)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    int rc = buffer_reserve(self, view.len);
+    if (rc == 0) {
+        memcpy(self->data + self->length, view.buf, (size_t)view.len);
+        self->length += view.len;
+    }
+    PyBuffer_Release(&view);
+    if (rc < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE; /* not the length: a new int per 4 KiB reply, for a caller that has len() */
+}
+
+static PyObject *
+buffer_add_framed(ReplyBuffer *self, PyObject *const *args, Py_ssize_t nargs)
+{
     if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "framed_copy(header, buffer, length)");
+        PyErr_SetString(PyExc_TypeError, "add_framed(header, buffer, length)");
         return NULL;
     }
     PyObject *header = args[0];
@@ -33,68 +174,132 @@ framed_copy(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         PyErr_Clear(); /* too large either way: the ValueError below */
     }
-    PyObject *reply = NULL;
+    int rc = -1;
     if (length < 0 || length > view.len) {
         PyErr_Format(PyExc_ValueError, "length must be in 0..%zd, not %R", view.len, args[2]);
     }
     else {
         Py_ssize_t head = PyBytes_GET_SIZE(header);
-        reply = PyBytes_FromStringAndSize(NULL, head + length);
-        if (reply != NULL) {
-            memcpy(PyBytes_AS_STRING(reply), PyBytes_AS_STRING(header), (size_t)head);
-            memcpy(PyBytes_AS_STRING(reply) + head, view.buf, (size_t)length);
+        rc = buffer_reserve(self, head + length); /* no overflow: both are sizes of objects */
+        if (rc == 0) {
+            memcpy(self->data + self->length, PyBytes_AS_STRING(header), (size_t)head);
+            memcpy(self->data + self->length + head, view.buf, (size_t)length);
+            self->length += head + length;
         }
     }
     PyBuffer_Release(&view);
-    return reply;
+    if (rc < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE; /* not the length: a new int per 4 KiB reply, for a caller that has len() */
 }
 
 static PyObject *
-send_nowait(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+buffer_send(ReplyBuffer *self, PyObject *fd_object)
 {
-    (void)module;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "send_nowait(fd, data)");
+    int fd = fd_of(fd_object);
+    if (fd < 0) {
         return NULL;
     }
-    if (!PyLong_Check(args[0])) {
-        PyErr_Format(PyExc_TypeError, "fd must be an int, not %s", Py_TYPE(args[0])->tp_name);
-        return NULL;
+    ssize_t sent = send_all_it_takes(fd, self->data, self->length);
+    if (sent > 0) {
+        /* What the socket did not take moves to the front (the rare partial send). */
+        memmove(self->data, self->data + sent, (size_t)(self->length - sent));
+        self->length -= sent;
     }
-    int overflow = 0;
-    long fd = PyLong_AsLongAndOverflow(args[0], &overflow);
-    if (overflow || fd < 0 || fd > INT_MAX) {
-        PyErr_Format(PyExc_ValueError, "fd must be in 0..%d, not %R", INT_MAX, args[0]);
-        return NULL;
-    }
-    Py_buffer view;
-    if (PyObject_GetBuffer(args[1], &view, PyBUF_SIMPLE) < 0) {
-        return NULL;
-    }
-    /* The GIL stays held: the socket is non-blocking, so send() never waits (uvloop's writes
-     * run the same way). MSG_NOSIGNAL: a peer that is gone is an EPIPE, not a SIGPIPE. */
-    ssize_t sent;
-    do {
-        sent = send((int)fd, view.buf, (size_t)view.len, MSG_DONTWAIT | MSG_NOSIGNAL);
-    } while (sent < 0 && errno == EINTR);
-    PyBuffer_Release(&view);
-    return PyLong_FromSsize_t(sent < 0 ? 0 : sent);
+    return PyLong_FromSsize_t(sent);
 }
 
+static PyObject *
+buffer_take(ReplyBuffer *self, PyObject *unused)
+{
+    (void)unused;
+    PyObject *taken = PyBytes_FromStringAndSize(self->data, self->length);
+    if (taken != NULL) {
+        self->length = 0;
+    }
+    return taken;
+}
+
+static PyObject *
+buffer_release(ReplyBuffer *self, PyObject *unused)
+{
+    (void)unused;
+    buffer_unmap(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+buffer_sizeof(ReplyBuffer *self, PyObject *unused)
+{
+    (void)unused;
+    return PyLong_FromSsize_t((Py_ssize_t)sizeof(ReplyBuffer) + self->capacity);
+}
+
+static Py_ssize_t
+buffer_length(ReplyBuffer *self)
+{
+    return self->length;
+}
+
+static PyMethodDef buffer_methods[] = {
+    {"add", (PyCFunction)buffer_add, METH_O, "add(data): data copied behind what is queued."},
+    {"add_framed", (PyCFunction)(void (*)(void))buffer_add_framed, METH_FASTCALL,
+     "add_framed(header, buffer, length): header + buffer[:length] copied behind what is queued."},
+    {"send", (PyCFunction)buffer_send, METH_O,
+     "send(fd) -> bytes sent with one send(2) (0 if none), dropped from the front."},
+    {"take", (PyCFunction)buffer_take, METH_NOARGS, "take() -> everything queued, as bytes; empties it."},
+    {"release", (PyCFunction)buffer_release, METH_NOARGS, "Drop what is queued and free the memory."},
+    {"__sizeof__", (PyCFunction)buffer_sizeof, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot buffer_slots[] = {
+    {Py_tp_new, buffer_new},
+    {Py_tp_dealloc, buffer_dealloc},
+    {Py_tp_methods, buffer_methods},
+    {Py_sq_length, buffer_length},
+    {Py_tp_doc, "ReplyBuffer() -> an empty buffer of replies: see lmserver/_framed.py."},
+    {0, NULL},
+};
+
+static PyType_Spec buffer_spec = {
+    .name = "lmserver._framed.ReplyBuffer",
+    .basicsize = sizeof(ReplyBuffer),
+    .flags = Py_TPFLAGS_DEFAULT,
+    .slots = buffer_slots,
+};
+
 static PyMethodDef methods[] = {
-    {"framed_copy", (PyCFunction)(void (*)(void))framed_copy, METH_FASTCALL,
-     "framed_copy(header, buffer, length) -> header + buffer[:length]: see lmserver/_framed.py."},
     {"send_nowait", (PyCFunction)(void (*)(void))send_nowait, METH_FASTCALL,
      "send_nowait(fd, data) -> bytes sent with one send(2), 0 if none: see lmserver/_framed.py."},
     {NULL, NULL, 0, NULL},
 };
 
+static int
+add_types(PyObject *module)
+{
+    PyObject *type = PyType_FromSpec(&buffer_spec);
+    if (type == NULL) {
+        return -1;
+    }
+    int rc = PyModule_AddObjectRef(module, "ReplyBuffer", type);
+    Py_DECREF(type);
+    return rc;
+}
+
+static PyModuleDef_Slot slots[] = {
+    {Py_mod_exec, add_types},
+    {0, NULL},
+};
+
 static struct PyModuleDef framed_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "lmserver._framed",
-    .m_doc = "framed_copy and send_nowait compiled: the C twins of lmserver/_framed.py.",
+    .m_doc = "send_nowait and ReplyBuffer compiled: the C twins of lmserver/_framed.py.",
     .m_size = 0,
     .m_methods = methods,
+    .m_slots = slots,
 };
 
 PyMODINIT_FUNC

@@ -1,21 +1,27 @@
-"""``framed_copy``: a small GET reply (header, then a copy of the object) as one bytes object;
-``send_nowait``: a reply written straight to the connection's socket.
+"""``send_nowait``: a reply written straight to the connection's socket; ``ReplyBuffer``: the
+small replies of one turn, copied one behind the other into one buffer and sent with one call.
 
 Strategy: two twins with one behaviour, as lmproto/_lookup.py. ``_framed.c`` is what a build
 compiles and Python imports when it is there; this file is the reference and the pure build,
 and a test compares the two.
 
-Why C: the memory tier copies a small object out under its shard lock, and the reply is its
-header in front of those bytes. In Python that is two copies of the object (the slice out of
-the mmap, then ``header + slice``) and an allocation for each; a memoryview in between costs
-about what it saves at 4 KiB. The C twin allocates the reply once and copies each part once.
+``send_nowait`` is how a reply leaves when the transport has nothing queued: one ``send(2)``,
+as uvloop's own ``write`` starts, without the method lookup, argument parsing and queue
+bookkeeping around it (~1,800 instructions of a ~7,500 instruction sequential EXIST, whole
+process). ``os.write`` would do, but it releases and retakes the GIL around the call (~1,100
+instructions); the C twin keeps the GIL, as uvloop does for its writes, since a non-blocking
+send never waits.
 
-``send_nowait`` is how a small reply leaves when the transport has nothing queued: one
-``send(2)``, as uvloop's own ``write`` starts, without the method lookup, argument parsing and
-queue bookkeeping around it (~1,800 instructions of a ~7,500 instruction sequential EXIST,
-whole process). ``os.write`` would do, but it releases and retakes the GIL around the call
-(~1,100 instructions); the C twin keeps the GIL, as uvloop does for its writes, since a
-non-blocking send never waits.
+Why ``ReplyBuffer``: a connection's small replies (bodiless answers, and GET replies of small
+objects, which the memory tier copies out under its shard lock with ``add_framed``: header and
+object in one copy) used to be one new bytes object each, joined or handed to ``writelines``
+at the end of the turn. A 4 KiB reply is above the sizes glibc's malloc keeps at hand, so each
+cost a full ``malloc`` and ``free``, and 16 pipelined ones a 16-buffer ``writelines``. Here
+they land in one buffer the connection keeps while it is busy, and leave with one ``send``.
+The buffer grows as needed (the connection sends it before it passes ``REPLY_BUFFER_FLUSH``)
+and ``release`` frees it when the connection goes quiet. The C twin's memory is an anonymous
+mapping, as the staging buffers' are, so a released buffer goes back to the OS instead of
+leaving a hole in malloc's heap; this twin's is a bytearray.
 """
 
 from __future__ import annotations
@@ -23,34 +29,80 @@ from __future__ import annotations
 import mmap
 import os
 
-
-def framed_copy(header: bytes, buffer: bytes | bytearray | memoryview | mmap.mmap, length: int) -> bytes:
-    """``header + bytes(buffer[:length])``, one new bytes object. Raises ValueError unless
-    ``0 <= length <= len(buffer)``; TypeError if ``header`` is not bytes or ``buffer`` not a
-    buffer of bytes."""
-    if not isinstance(header, bytes):
-        raise TypeError(f"header must be bytes, not {type(header).__name__}")
-    size = len(memoryview(buffer))  # in bytes, whatever the buffer's type
-    if not 0 <= length <= size:
-        raise ValueError(f"length must be in 0..{size}, not {length}")
-    return header + buffer[:length]
+Buffer = bytes | bytearray | memoryview | mmap.mmap
 
 
-def send_nowait(fd: int, data: bytes | bytearray | memoryview) -> int:
+def send_nowait(fd: int, data: Buffer) -> int:
     """Write what ``data`` holds to the non-blocking socket ``fd`` with one ``send(2)``;
     returns the number of bytes sent, 0 if none could be (the socket buffer is full, the peer
     is gone, ``fd`` is closed: the caller hands the rest to the transport, which finds the same
     error and reports it). Raises ValueError unless ``0 <= fd <= 2**31 - 1``, TypeError if
     ``fd`` is not an int or ``data`` not a buffer of bytes."""
-    if not isinstance(fd, int):
-        raise TypeError(f"fd must be an int, not {type(fd).__name__}")
-    if not 0 <= fd <= _FD_MAX:
-        raise ValueError(f"fd must be in 0..{_FD_MAX}, not {fd}")
+    _check_fd(fd)
     view = memoryview(data)  # TypeError for what is not a buffer, as the C twin
     try:
         return os.write(fd, view)
     except OSError:
         return 0
+
+
+class ReplyBuffer:
+    """Replies queued one behind the other; ``len()`` is the number of bytes queued.
+
+    Not thread-safe (a connection's, used from its event loop)."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self) -> None:
+        self._data = bytearray()
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __sizeof__(self) -> int:
+        return object.__sizeof__(self) + self._data.__sizeof__()
+
+    def add(self, data: Buffer) -> None:
+        """Copy ``data`` behind what is queued. TypeError if ``data`` is not a buffer of bytes."""
+        self._data += memoryview(data).cast("B")
+
+    def add_framed(self, header: bytes, buffer: Buffer, length: int) -> None:
+        """Copy ``header`` and then ``buffer[:length]`` behind what is queued. Raises ValueError
+        unless ``0 <= length <= len(buffer)`` (in bytes), TypeError if ``header`` is not bytes
+        or ``buffer`` not a buffer of bytes."""
+        if not isinstance(header, bytes):
+            raise TypeError(f"header must be bytes, not {type(header).__name__}")
+        view = memoryview(buffer).cast("B")
+        if not isinstance(length, int):
+            raise TypeError(f"length must be an int, not {type(length).__name__}")
+        if not 0 <= length <= len(view):
+            raise ValueError(f"length must be in 0..{len(view)}, not {length}")
+        self._data += header
+        self._data += view[:length]
+
+    def send(self, fd: int) -> int:
+        """Write what is queued to the non-blocking socket ``fd`` with one ``send(2)`` and drop
+        what went from the front; returns the bytes sent, as ``send_nowait``."""
+        sent = send_nowait(fd, self._data)
+        del self._data[:sent]
+        return sent
+
+    def take(self) -> bytes:
+        """Everything queued, as one bytes object; the buffer is empty after."""
+        taken = bytes(self._data)
+        self._data.clear()
+        return taken
+
+    def release(self) -> None:
+        """Drop what is queued and free the memory (the next ``add`` allocates again)."""
+        self._data = bytearray()
+
+
+def _check_fd(fd: int) -> None:
+    if not isinstance(fd, int):
+        raise TypeError(f"fd must be an int, not {type(fd).__name__}")
+    if not 0 <= fd <= _FD_MAX:
+        raise ValueError(f"fd must be in 0..{_FD_MAX}, not {fd}")
 
 
 _FD_MAX = 2**31 - 1

@@ -15,8 +15,12 @@ Strategy:
   its disk write does not stop the pipeline (the object is already visible): its reply,
   and every reply after it, are held in order until the write is known, so a client can
   keep many acknowledged PUTs in flight (up to MAX_ACKS_IN_FLIGHT).
-* Replies are queued during a read callback and written together at its end, header and
-  body as separate buffers (no concatenation). An object being sent stays pinned until the
+* Replies are queued during a read callback and written together at its end. Small ones
+  (bodiless answers, GET replies of objects up to ``small_reply``, which the memory tier
+  copies out under its shard lock) are copied one behind the other into the connection's
+  ``ReplyBuffer`` and leave with one ``send``: no allocation per reply. A larger object goes
+  out as header and body, separate buffers, the body zero-copy from its entry, which stays
+  pinned until the
   transport's buffer has drained: the write-buffer limits are (0, 0), so the loop reports
   every partial write with ``pause_writing`` and the full drain with ``resume_writing``.
   That is also the backpressure: while anything is unsent, the connection reads nothing.
@@ -79,7 +83,7 @@ from lmproto import (
     encode_reply,
 )
 
-from ._framed import framed_copy, send_nowait
+from ._framed import ReplyBuffer, send_nowait
 from .logs import ThrottledWarnings
 from .memory import Entry
 from .state import ServerState
@@ -95,11 +99,6 @@ STAGING_SIZE: Final = 64 * 1024
 STAGING_KEPT: Final = 64
 """Idle staging buffers kept on the shared free list (4 MiB); more are freed."""
 
-JOIN_AVERAGE: Final = 256
-"""Replies queued in one turn that average at most this many bytes, and hold no pinned object
-(those go out zero-copy), are joined into one write: per buffer, a ``writelines`` costs more
-than copying a small one (pipelined EXISTs)."""
-
 WRITE_PIECE: Final = 128 * 1024
 """On a transport that copies unsent bytes (the standard library's), the most handed to it
 at once: what a connection whose peer does not read can make the server copy."""
@@ -107,14 +106,18 @@ at once: what a connection whose peer does not read can make the server copy."""
 FLUSH_THRESHOLD: Final = 4 * 1024 * 1024
 """Reply bytes queued in one callback before they are written without waiting for its end."""
 
+REPLY_BUFFER_FLUSH: Final = 128 * 1024
+"""Bytes of small replies in the reply buffer before they are written without waiting for the
+callback's end: a connection's buffer never holds more than this and one reply (it is freed
+when the connection goes quiet, with the staging buffer)."""
+
 SMALL_REPLY: Final = 16 * 1024
 """GET replies up to this size (the default of ``LMProtocol.small_reply``, which
-bench/hotpath.py varies) are copied into one bytes object and the object unpinned at once;
+bench/hotpath.py varies) are copied into the reply buffer and the object unpinned at once;
 larger ones go out as header + the object's own buffer, pinned until sent. Measured with
-``python -m bench.hotpath`` (Python work per GET): the copy (MemoryTier.read) costs
-0.74-0.87x the pinned path at 1-16 KiB and 1.5-2.3x at 64 KiB; at 256 KiB each of its two
-allocations maps fresh pages (40x). On loopback it also saved ~4 µs of server CPU per 4 KiB
-GET (one write of one buffer instead of a two-buffer writev and a pin)."""
+``python -m bench.hotpath`` (the Python work and the kernel's send per GET, 2026-12-02): the
+copy costs 0.73-0.80x the pinned path at 1-16 KiB, 0.93x at 64 KiB and 1.18x at 256 KiB.
+Past 16 KiB the gain is small, and every connection's reply buffer would have to hold more."""
 
 LINGER_S: Final = 2.0
 """How long a gracefully closed connection keeps reading (and dropping) what the peer sends."""
@@ -132,7 +135,6 @@ _SUCCESS: Final = int(Status.SUCCESS)
 _FAIL: Final = int(Status.FAIL)
 # Not compiled by mypyc (a C twin): Final, so not looked up in the module dict per call.
 _decode_lookups: Final = decode_lookups
-_framed_copy: Final = framed_copy
 _send_nowait: Final = send_nowait
 _EXIST: Final = int(Command.EXIST)
 _GET: Final = int(Command.GET)
@@ -237,6 +239,14 @@ class LMProtocol(asyncio.BufferedProtocol):
         self.staging_view = _EMPTY
         self.start = 0  # staged bytes not yet parsed are staging[start:end]
         self.end = 0
+        # Small replies, copied one behind the other (see _emit_one); its methods bound once:
+        # compiled, a method call on it looks the method up by name.
+        self.reply_buffer = ReplyBuffer()
+        self._add_reply: Callable[[bytes], None] = self.reply_buffer.add
+        self._copy_reply: Callable[[bytes, Any, int], None] = self.reply_buffer.add_framed
+        self._send_replies: Callable[[int], int] = self.reply_buffer.send
+        # Replies that are not copied (a pinned object's header and body), and the reply
+        # buffer's content ahead of them (_seal_replies): written in this order.
         self.replies: list[bytes | memoryview] = []
         self.reply_bytes = 0
         self.reply_pins: list[Entry] = []  # entries referenced by queued replies
@@ -386,6 +396,7 @@ class LMProtocol(asyncio.BufferedProtocol):
             self.store.abort(self.body_entry)
             self.body_entry = None
         self._release_pins()
+        self.reply_buffer.release()
         self.body = self.body_request = None
         self.start = self.end = 0
         self._give_staging()
@@ -454,6 +465,8 @@ class LMProtocol(asyncio.BufferedProtocol):
             self._seen_received, self._quiet_since = self.received, now
         elif self.end == 0 and self.staging:
             self._give_staging()  # nothing staged and nothing received since the last sweep
+            if not len(self.reply_buffer):  # every turn ends with a flush: empty but for a wait
+                self.reply_buffer.release()
         quiet = now - self._quiet_since
         if self.write_paused:  # replies the peer does not read: they must drain steadily
             assert self.transport is not None
@@ -578,7 +591,7 @@ class LMProtocol(asyncio.BufferedProtocol):
                         self.start += size
                         done += 1
                         self._get_key(key)
-                        if self.reply_bytes >= FLUSH_THRESHOLD:
+                        if self._replies_full():
                             self._flush()
                         if not self._can_parse():
                             break  # the rest of the run is decoded again when it can go on
@@ -610,7 +623,7 @@ class LMProtocol(asyncio.BufferedProtocol):
                 if run:
                     by_command[last] += run
                 last, run = command, done
-            if self.reply_bytes >= FLUSH_THRESHOLD:
+            if self._replies_full():
                 self._flush()
                 check = True
         self.run_command, self.run_count = last, run
@@ -792,6 +805,7 @@ class LMProtocol(asyncio.BufferedProtocol):
                 self.owe_ack = True
             return
         slot = _Held(ready=False, started=self.timed_since)
+        self._seal_replies()  # queued replies go before this answer, and so before what waits for it
         self.held.append(slot)
         self.acks_in_flight += 1
         persisted.add_done_callback(lambda done: self._ack_persisted(slot, done.result()))
@@ -809,6 +823,7 @@ class LMProtocol(asyncio.BufferedProtocol):
             header = encode_reply(Status.NO_SPACE, len(reason), generation=self.generation)
             slot.buffers += (header, reason)
         slot.ready = True
+        self._seal_replies()
         while self.held and self.held[0].ready:
             released = self.held.popleft()
             self.replies += released.buffers
@@ -836,9 +851,9 @@ class LMProtocol(asyncio.BufferedProtocol):
         self._get_key(req.key)
 
     def _get_key(self, key: str) -> None:
-        entry, reply = self.store.read(key, self.small_reply, self._reply_header)
+        entry = self.store.read(key, self.small_reply, self._reply_header, self._copy_reply)
         if entry is not None:
-            self._reply_object(entry, reply)
+            self._reply_object(entry, copied=entry.length <= self.small_reply)
         elif self.store.in_lower(key):
             self._time_start()
             self._await(self.store.fetch(key), self._reply_fetched)
@@ -935,22 +950,25 @@ class LMProtocol(asyncio.BufferedProtocol):
         assert self.generation is not None
         if body:
             header = encode_reply(status, len(body), generation=self.generation, meta=PLACEHOLDER_META)
-            self._emit(header, body)
+            self._emit_one(header + body)  # small (control replies), and not on a hot path
         else:
             self._emit_canned(status)
 
-    def _reply_object(self, entry: Entry, reply: bytes | None = None) -> None:
-        """A GET hit: header with the stored metadata, then the object's bytes. ``reply`` is
-        all of it when the store copied a small object behind its header (MemoryTier.read:
-        the entry is not pinned); else ``entry`` is pinned, and a small one is copied here
-        and unpinned."""
-        if reply is None and entry.length <= self.small_reply:
-            reply = _framed_copy(self._reply_header(entry), entry.buffer, entry.length)
+    def _reply_object(self, entry: Entry, *, copied: bool = False) -> None:
+        """A GET hit: header with the stored metadata, then the object's bytes. ``copied``:
+        the store has queued all of it in the reply buffer already (MemoryTier.read: the
+        entry is not pinned); else ``entry`` is pinned, and a small one is copied here and
+        unpinned."""
+        if not copied and entry.length <= self.small_reply:
+            self._copy_reply(self._reply_header(entry), entry.buffer, entry.length)
             self.store.memory.unpin(entry)
-        if reply is not None:
-            self._emit_one(reply)  # one small copy instead of a pin held until sent
-        else:
+            copied = True
+        if not copied:
             self._emit(self._reply_header(entry), entry.view, pin=entry)
+        elif self.held:
+            # Behind a PUT_ACK not yet answered (the buffer held nothing before it, see
+            # _finish_put): it waits with the held replies, as its own bytes.
+            self._emit(self.reply_buffer.take())
         self.gets_uncounted += 1
         self.get_bytes_uncounted += entry.length
 
@@ -968,15 +986,15 @@ class LMProtocol(asyncio.BufferedProtocol):
         self._emit_one(self._canned[status])
 
     def _emit_one(self, reply: bytes) -> None:
-        """Queue a reply that is one buffer (no pin): _emit without its tuple and loop."""
+        """Queue a small reply: a copy in the reply buffer, or behind held replies if any."""
         if self.held:
             self._emit(reply)
         else:
-            self.replies.append(reply)
-            self.reply_bytes += len(reply)
+            self._add_reply(reply)
 
     def _emit(self, *buffers: bytes | memoryview, pin: Entry | None = None) -> None:
-        """Queue one reply (header and body as separate buffers), behind held ones if any."""
+        """Queue one reply as it is (header and body as separate buffers), behind held ones
+        if any."""
         if self.held:
             tail = self.held[-1]
             if not tail.ready:
@@ -986,14 +1004,37 @@ class LMProtocol(asyncio.BufferedProtocol):
             if pin is not None:
                 tail.pins.append(pin)
             return
+        self._seal_replies()
         self.replies += buffers
         if pin is not None:
             self.reply_pins.append(pin)
         for buffer in buffers:  # not sum(map(len, ...)): compiled, builtins are looked up per call
             self.reply_bytes += len(buffer)
 
+    def _seal_replies(self) -> None:
+        """Move what the reply buffer holds to the end of ``replies``, as one bytes object,
+        so that what is queued next goes after it."""
+        if len(self.reply_buffer):
+            reply = self.reply_buffer.take()
+            self.replies.append(reply)
+            self.reply_bytes += len(reply)
+
+    def _replies_full(self) -> bool:
+        """Whether enough is queued to write it before the callback ends."""
+        return self.reply_bytes >= FLUSH_THRESHOLD or len(self.reply_buffer) >= REPLY_BUFFER_FLUSH
+
     def _flush(self) -> None:
-        if not self.replies or self.closed:
+        if self.closed:
+            return
+        if not self.replies and not self.outbox:
+            # Only small replies (the common case): the reply buffer's bytes in one write.
+            buffered = len(self.reply_buffer)
+            if buffered and not (self.copying_transport and buffered > WRITE_PIECE):
+                self.owe_ack = False  # the reply carries it
+                self._send_buffered()
+                return
+        self._seal_replies()
+        if not self.replies:
             return
         replies, reply_bytes = self.replies, self.reply_bytes
         self.replies, self.reply_bytes = [], 0
@@ -1005,8 +1046,6 @@ class LMProtocol(asyncio.BufferedProtocol):
             self._pump()
         elif len(replies) == 1:
             self._send(replies[0])
-        elif not self.reply_pins and reply_bytes <= JOIN_AVERAGE * len(replies):
-            self._send(b"".join(replies))  # no pinned object among them: nothing zero-copy
         else:
             transport.writelines(replies)
         if self.reply_pins:
@@ -1015,6 +1054,15 @@ class LMProtocol(asyncio.BufferedProtocol):
             else:
                 self.unsent_pins += self.reply_pins
             self.reply_pins = []
+
+    def _send_buffered(self) -> None:
+        """Write the reply buffer's bytes, as ``_send`` would: what the socket does not take
+        goes to the transport as a bytes copy, so the buffer is free again at once."""
+        if self._may_send_directly():
+            self._send_replies(self.fd)
+            if not len(self.reply_buffer):
+                return
+        self.write(self.reply_buffer.take())
 
     def _send(self, data: bytes | memoryview) -> None:
         """Write ``data`` after everything written before it: straight to the socket while the
@@ -1026,13 +1074,16 @@ class LMProtocol(asyncio.BufferedProtocol):
         error or our own close), and the next accepted connection may get the same number
         before connection_lost reaches us; a reply completed meanwhile (a lower-tier fetch)
         would go to that other client."""
-        if self.fd >= 0 and not self.write_paused and not self.is_closing():
+        if self._may_send_directly():
             sent = _send_nowait(self.fd, data)
             if sent == len(data):
                 return
             if sent:
                 data = memoryview(data)[sent:]
         self.write(data)
+
+    def _may_send_directly(self) -> bool:
+        return self.fd >= 0 and not self.write_paused and not self.is_closing()
 
     def add_counts(self) -> None:
         """Add what this connection counted in plain ints to the server's counters and to

@@ -28,7 +28,6 @@ from sortedcontainers import SortedSet
 
 from lmproto import NO_META, ObjectMeta
 
-from ._framed import framed_copy
 from ._shard import ShardLock, shard_index
 from .pool import Buffer, BufferPool, populate, size_class
 from .tiers.base import Victim
@@ -106,12 +105,18 @@ class MemoryCounters:
 # Compiled (mypyc), a name imported from a module that is not compiled is looked up in this
 # module's dict on every call unless it is Final (a C static).
 _shard_index: Final = shard_index
-_framed_copy: Final = framed_copy
+
+
+CopyOut = Callable[[bytes, Buffer, int], object]
+"""How ``MemoryTier.read`` copies a small object out: ``copy(header, buffer, length)``."""
 
 
 def _no_header(entry: Entry) -> bytes:
-    """``MemoryTier.read``'s default ``header_of``: a copy of the object's bytes alone."""
     return b""
+
+
+def _no_copy(header: bytes, buffer: Buffer, length: int) -> None:
+    """``get`` copies nothing (it reads with ``copy_up_to`` -1)."""
 
 
 class _Shard:
@@ -224,36 +229,34 @@ class MemoryTier:
 
     def get(self, key: str) -> Entry | None:
         """The object under ``key``, pinned and refreshed in the LRU; the caller unpins."""
-        return self.read(key, -1)[0]
+        return self.read(key, -1, _no_header, _no_copy)
 
     def read(
-        self, key: str, copy_up_to: int, header_of: Callable[[Entry], bytes] = _no_header
-    ) -> tuple[Entry | None, bytes | None]:
+        self, key: str, copy_up_to: int, header_of: Callable[[Entry], bytes], copy: CopyOut
+    ) -> Entry | None:
         """``get`` for a reader that copies small objects: an object of at most
-        ``copy_up_to`` bytes comes back as ``(entry, header_of(entry) + its bytes)``, copied
-        under the shard lock (so its buffer cannot be reused meanwhile) into one new bytes
-        object (a GET reply needs no second copy), and the entry not pinned (read only its
-        metadata). A larger one comes back as ``(entry, None)``, pinned as by ``get``. A miss
-        is ``(None, None)``. One lock round trip, where pinning and unpinning a small object
-        took two."""
+        ``copy_up_to`` bytes is copied out as ``copy(header_of(entry), entry.buffer,
+        entry.length)`` under the shard lock (so its buffer cannot be reused meanwhile; a
+        GET queues its reply so, ``ReplyBuffer.add_framed``), and its entry comes back not
+        pinned (read only its metadata). A larger one comes back pinned, as by ``get``. None
+        for a miss. One lock round trip, where pinning and unpinning a small object took two."""
         shard = self._shards[_shard_index(key, len(self._shards))]  # _shard(), inlined: the GET path
         shard.acquire()  # not `with`: compiled, that is two generic method calls more per GET
         try:
             entry = shard.entries.pop(key, None)
             if entry is None:
                 self.counters.misses += 1
-                return None, None
+                return None
             shard.entries[key] = entry  # re-insert: most recently used goes last
             entry.tick = self._next_tick()
             if entry.length <= copy_up_to:
-                copy: bytes | None = _framed_copy(header_of(entry), entry.buffer, entry.length)
+                copy(header_of(entry), entry.buffer, entry.length)
             else:
-                copy = None
                 entry.pins += 1
         finally:
             shard.release()
         self.counters.hits += 1
-        return entry, copy
+        return entry
 
     def _next_tick(self) -> int:
         # A plain int, not itertools.count: compiled, next() on an iterator is a builtins

@@ -44,7 +44,7 @@ from lmproto import ObjectMeta
 
 from .chain import Link
 from .logs import ThrottledWarnings
-from .memory import Entry, MemoryTier, MemoryVictim
+from .memory import CopyOut, Entry, MemoryTier, MemoryVictim
 from .tiers.base import NoSpace, Tier, TierError, Victim
 from .tiers.spec import ChainOptions
 from .tiers.threaded import Workers
@@ -317,16 +317,16 @@ class Store:
     # -- GET ----------------------------------------------------------------------------
 
     def read(
-        self, key: str, copy_up_to: int, header_of: Callable[[Entry], bytes]
-    ) -> tuple[Entry | None, bytes | None]:
-        """A memory hit as ``MemoryTier.read`` gives it (small objects copied behind
-        ``header_of(entry)``, larger ones pinned: the caller unpins once sent), else
-        ``(None, None)``."""
-        found = self.memory.read(key, copy_up_to, header_of)
-        if found[0] is not None:
+        self, key: str, copy_up_to: int, header_of: Callable[[Entry], bytes], copy: CopyOut
+    ) -> Entry | None:
+        """A memory hit as ``MemoryTier.read`` gives it (small objects copied out with
+        ``copy``, behind ``header_of(entry)``; larger ones pinned: the caller unpins once
+        sent), else None."""
+        entry = self.memory.read(key, copy_up_to, header_of, copy)
+        if entry is not None:
             for link in self.links:
                 link.tier.touch(key)
-        return found
+        return entry
 
     def in_lower(self, key: str) -> bool:
         return key in self._victims or any(link.readable(key) for link in self.links)

@@ -64,7 +64,6 @@ def _same(*args: Any) -> None:
     [
         (_lookup, "decode_lookup"),
         (_lookup, "decode_lookups"),
-        (_framed, "framed_copy"),
         (_framed, "send_nowait"),
         (_shard, "shard_index"),
     ],
@@ -76,6 +75,11 @@ def test_the_installed_twin_is_what_the_build_says(module: types.ModuleType, fun
     assert isinstance(twin, types.FunctionType)
     assert lmproto.decode_lookup is _lookup.decode_lookup
     assert lmproto.decode_lookups is _lookup.decode_lookups
+
+
+def test_the_installed_reply_buffer_is_what_the_build_says() -> None:
+    assert isinstance(framed_reference.ReplyBuffer.add, types.FunctionType)
+    assert isinstance(_framed.ReplyBuffer.add, types.FunctionType) != _native.is_compiled(_framed)
 
 
 def test_the_installed_shard_lock_is_what_the_build_says() -> None:
@@ -345,43 +349,104 @@ def test_shard_lock_excludes_and_waits_without_the_gil(
 # -- lmserver._framed
 
 
-def _same_framed(*args: Any) -> None:
-    assert _answer(_framed.framed_copy, *args) == _answer(framed_reference.framed_copy, *args), args
+REPLY_BUFFERS = pytest.mark.parametrize(
+    "reply_buffer", [_framed.ReplyBuffer, framed_reference.ReplyBuffer], ids=["installed", "twin"]
+)
+KINDS = st.sampled_from([bytes, bytearray, memoryview, "mmap"])
+BUFFER_OPERATIONS = st.one_of(
+    st.tuples(st.just("add"), st.binary(max_size=300), KINDS),
+    st.tuples(
+        st.just("add_framed"), st.binary(max_size=200), st.binary(max_size=5000), st.integers(-3, 5003), KINDS
+    ),
+    st.tuples(st.just("take")),
+    st.tuples(st.just("release")),
+)
+
+
+def _apply(reply_buffer: Any, operation: tuple[Any, ...]) -> Any:
+    """One operation on a ReplyBuffer: its answer (or error) and what the buffer holds after."""
+    name, *args = operation
+    if name == "add":
+        args = [_as(args[1], args[0]) if args[0] or args[1] != "mmap" else b""]  # no empty mmap
+    elif name == "add_framed":
+        header, data, length, kind = args
+        args = [header, _as(kind, data) if data or kind != "mmap" else b"", length]
+    answer = _answer(getattr(reply_buffer, name), *args)
+    return answer, len(reply_buffer)
 
 
 @FAST
-@given(
-    st.binary(max_size=200),
-    st.binary(max_size=5000),
-    st.integers(-3, 5003),
-    st.sampled_from([bytes, bytearray, memoryview, "mmap"]),
-)
-def test_framed_twins_agree(header: bytes, data: bytes, length: int, kind: Any) -> None:
-    buffer = _as(kind, data) if data or kind != "mmap" else b""  # no empty mmap
-    _same_framed(header, buffer, length)
-    if 0 <= length <= len(data):
-        reply = _framed.framed_copy(header, buffer, length)
-        assert type(reply) is bytes
-        assert reply == header + data[:length]
+@given(st.lists(BUFFER_OPERATIONS, max_size=12))
+def test_reply_buffer_twins_agree(operations: list[tuple[Any, ...]]) -> None:
+    installed, twin = _framed.ReplyBuffer(), framed_reference.ReplyBuffer()
+    expected = b""
+    for operation in operations:
+        answer = _apply(installed, operation)
+        assert answer == _apply(twin, operation), operation
+        name, *args = operation
+        if name == "add":
+            expected += args[0]
+        elif name == "add_framed" and 0 <= args[2] <= len(args[1]):
+            expected += args[0] + args[1][: args[2]]
+        elif name == "take":
+            assert answer[0] == expected
+            expected = b""
+        elif name == "release":
+            expected = b""
+        assert answer[1] == len(expected)
+    assert installed.take() == twin.take() == expected
 
 
 @pytest.mark.parametrize(
     "args",
     [
-        (b"h", b"body", 2**70),
-        (b"h", b"body", -(2**70)),
-        (b"h", b"body", "2"),
-        (b"h", b"body", None),
-        (bytearray(b"h"), b"body", 2),
-        ("h", b"body", 2),
-        (b"h", "body", 2),
-        (b"h", None, 2),
-        (b"h", b"body"),
-        (b"h", b"body", 2, 2),
+        ("add", "text"),
+        ("add", None),
+        ("add", 3),
+        ("add",),
+        ("add", b"a", b"b"),
+        ("add_framed", b"h", b"body", 2**70),
+        ("add_framed", b"h", b"body", -(2**70)),
+        ("add_framed", b"h", b"body", 5),
+        ("add_framed", b"h", b"body", -1),
+        ("add_framed", b"h", b"body", "2"),
+        ("add_framed", b"h", b"body", 2.0),
+        ("add_framed", b"h", b"body", None),
+        ("add_framed", bytearray(b"h"), b"body", 2),
+        ("add_framed", "h", b"body", 2),
+        ("add_framed", b"h", "body", 2),
+        ("add_framed", b"h", None, 2),
+        ("add_framed", b"h", b"body"),
+        ("add_framed", b"h", b"body", 2, 2),
+        ("take", 1),
+        ("release", 1),
     ],
 )
-def test_framed_twins_agree_on_bad_arguments(args: tuple[Any, ...]) -> None:
-    _same_framed(*args)
+def test_reply_buffer_twins_agree_on_bad_arguments_and_keep_what_they_held(args: tuple[Any, ...]) -> None:
+    name, *rest = args
+    installed, twin = _framed.ReplyBuffer(), framed_reference.ReplyBuffer()
+    for queued in (installed, twin):
+        queued.add(b"kept")
+    assert _answer(getattr(installed, name), *rest) == _answer(getattr(twin, name), *rest), args
+    assert installed.take() == twin.take() == b"kept"  # nothing half-added
+
+
+def test_reply_buffer_twins_agree_on_constructor_arguments() -> None:
+    for args in [(1,), (b"",), (None,)]:
+        assert _answer(_framed.ReplyBuffer, *args) == _answer(framed_reference.ReplyBuffer, *args)
+
+
+@REPLY_BUFFERS
+def test_reply_buffer_frees_its_memory_on_release(reply_buffer: Callable[[], Any]) -> None:
+    queued = reply_buffer()
+    empty = sys.getsizeof(queued)
+    queued.add_framed(b"head", bytes(100_000), 100_000)
+    assert sys.getsizeof(queued) >= empty + 100_004
+    assert len(queued.take()) == 100_004 and not len(queued)
+    queued.release()
+    assert sys.getsizeof(queued) == empty
+    queued.add(b"again")
+    assert queued.take() == b"again"  # usable after a release
 
 
 SENDERS = pytest.mark.parametrize(
@@ -427,6 +492,38 @@ def test_send_nowait_to_a_peer_that_is_gone_sends_nothing(
     ours, peer = socket_pair
     peer.close()
     assert send_nowait(ours.fileno(), b"lost") == 0  # EPIPE, not SIGPIPE, and no exception
+
+
+@REPLY_BUFFERS
+def test_reply_buffer_sends_what_the_socket_takes_and_keeps_the_rest(
+    reply_buffer: Callable[[], Any], socket_pair: tuple[socket.socket, socket.socket]
+) -> None:
+    ours, peer = socket_pair
+    queued, data = reply_buffer(), bytes(range(256)) * 16_384  # 4 MiB: more than the socket takes
+    assert queued.send(ours.fileno()) == 0  # nothing queued, nothing sent
+    queued.add(data)
+    sent = queued.send(ours.fileno())
+    assert 0 < sent < len(data) and len(queued) == len(data) - sent  # the front went
+    assert queued.send(ours.fileno()) == 0 and len(queued) == len(data) - sent  # full: kept
+    received = bytearray()
+    while len(received) < len(data):
+        received += peer.recv(1 << 20)
+        queued.send(ours.fileno())
+    assert received == data and not len(queued)
+    queued.add(b"late")
+    peer.close()
+    assert queued.send(ours.fileno()) == 0 and queued.take() == b"late"  # a peer gone: kept too
+
+
+def test_reply_buffer_send_twins_agree_on_bad_arguments(
+    socket_pair: tuple[socket.socket, socket.socket],
+) -> None:
+    for args in [("3",), (None,), (1.0,), (-1,), (2**31,), (2**70,), (), (socket_pair[0].fileno(), 0)]:
+        installed, twin = _framed.ReplyBuffer(), framed_reference.ReplyBuffer()
+        installed.add(b"kept")
+        twin.add(b"kept")
+        assert _answer(installed.send, *args) == _answer(twin.send, *args), args
+        assert installed.take() == twin.take() == b"kept"
 
 
 def test_send_nowait_twins_agree_on_bad_arguments(socket_pair: tuple[socket.socket, socket.socket]) -> None:

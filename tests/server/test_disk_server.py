@@ -360,6 +360,30 @@ def test_replies_stay_in_order_behind_pending_acks(spawn_server, tmp_path: Path)
             assert exist[0].status == 400
 
 
+def test_replies_queued_before_a_pending_ack_go_before_it(spawn_server, tmp_path: Path) -> None:
+    """Small replies are copied into a buffer that is written at the end of the read; a
+    PUT_ACK whose reply must wait for the disk holds every reply after it, and none before it."""
+    proc = spawn_server("--disk", str(tmp_path / "data"), "--fsync", "always")
+    with Wire(proc.host, proc.port) as w:
+        w.put("small", value("small"))
+        w.put("large", value("large", 64 * KiB))  # above small_reply: zero-copy, pinned
+        burst = w.frame(Command.GET, "small") + w.frame(Command.EXIST, "small")
+        burst += w.frame(Command.PUT_ACK, "acked", value("acked"))
+        burst += w.frame(Command.GET, "small") + w.frame(Command.GET, "large") + w.frame(Command.GET, "acked")
+        burst += w.frame(Command.HEALTH)
+        w.send_raw(burst)
+        got = [w.reply() for _ in range(7)]
+        assert [(reply.status, body) for reply, body in got] == [
+            (200, value("small")),
+            (200, b""),
+            (200, b""),  # the acknowledgement, once on disk
+            (200, value("small")),
+            (200, value("large", 64 * KiB)),
+            (200, value("acked")),
+            (200, b""),
+        ]
+
+
 def test_second_server_on_the_same_disk_folder_refuses_to_start(spawn_server, tmp_path: Path) -> None:
     data = tmp_path / "data"
     spawn_server("--disk", str(data))

@@ -7,7 +7,8 @@ import threading
 import pytest
 
 from lmproto import NO_META, ObjectMeta
-from lmserver.memory import MemoryTier
+from lmserver._framed import ReplyBuffer
+from lmserver.memory import Entry, MemoryTier
 from lmserver.pool import BufferPool, size_class
 
 KiB = 1024
@@ -97,20 +98,25 @@ def test_read_copies_small_objects_unpinned_and_pins_larger_ones() -> None:
     tier = MemoryTier(3 * 4096, shards=2)
     store(tier, "small", b"s" * 100)
     store(tier, "large", b"l" * 4096)
-    entry, copy = tier.read("small", 1000)
-    assert entry is not None and copy == b"s" * 100 and entry.pins == 0
-    tier.delete("small")  # nothing pinned it: its buffer goes back at once ...
-    assert tier.pool.in_use == 4096 and copy == b"s" * 100  # ... and the copy is the reader's
-    entry, copy = tier.read("large", 1000)
-    assert entry is not None and copy is None and entry.pins == 1  # as get() pins
+    out = ReplyBuffer()
+
+    def read(key: str, copy_up_to: int) -> Entry | None:
+        return tier.read(key, copy_up_to, lambda entry: entry.key.encode() + b":", out.add_framed)
+
+    entry = read("small", 1000)
+    assert entry is not None and entry.pins == 0 and out.take() == b"small:" + b"s" * 100
+    tier.delete("small")  # nothing pinned it: its buffer goes back at once
+    assert tier.pool.in_use == 4096
+    entry = read("large", 1000)
+    assert entry is not None and entry.pins == 1 and not len(out)  # pinned as by get(), not copied
     assert bytes(entry.view) == b"l" * 4096
     tier.unpin(entry)
     store(tier, "empty", b"")
-    entry, copy = tier.read("empty", 1000)
-    assert entry is not None and copy == b""  # an empty object is a hit with no bytes
-    assert tier.read("absent", 1000) == (None, None)
-    entry, copy = tier.read("large", 4096)  # the limit is inclusive
-    assert copy == b"l" * 4096
+    entry = read("empty", 1000)
+    assert entry is not None and out.take() == b"empty:"  # a hit with no bytes: the header alone
+    assert read("absent", 1000) is None and not len(out)
+    entry = read("large", 4096)  # the limit is inclusive
+    assert entry is not None and entry.pins == 0 and out.take() == b"large:" + b"l" * 4096
     assert (tier.counters.hits, tier.counters.misses) == (4, 1)
 
 

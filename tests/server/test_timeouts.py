@@ -10,6 +10,7 @@ import psutil
 from wire import Wire, raw_v0, stats, wait_until
 
 from lmproto import Command
+from lmserver.connection import SMALL_REPLY
 
 MiB = 1024 * 1024
 
@@ -142,24 +143,28 @@ def test_unread_replies_that_never_drain_time_out(make_server_thread) -> None:
 
 
 def test_idle_connection_holds_no_staging_buffer(spawn_server) -> None:
-    """RSS per idle connection: each used its 64 KiB staging buffer once, then went idle."""
+    """RSS per idle connection: each used its 64 KiB staging buffer and its reply buffer once
+    (a GET of a 16 KiB object, the largest copied into it), then went idle."""
     server = spawn_server("--memory-limit", "64MiB")
     assert server.proc is not None
     proc = psutil.Process(server.proc.pid)
     warm = [Wire(server.host, server.port) for _ in range(20)]  # imports and first allocations
+    warm[0].put("small", b"s" * SMALL_REPLY)
     for w in warm:
-        w.call(Command.HEALTH)
+        w.call(Command.GET, "small")
     before = proc.memory_info().rss
     conns = [Wire(server.host, server.port) for _ in range(500)]
     try:
         for w in conns:
-            assert w.call(Command.HEALTH)[0].status == 200
+            reply, body = w.call(Command.GET, "small")
+            assert reply.status == 200 and body == b"s" * SMALL_REPLY
 
         def per_connection() -> float:
             return (proc.memory_info().rss - before) / len(conns)
 
-        # Idle buffers are given back by the next sweeps; 64 KiB each before this fix.
-        wait_until(lambda: per_connection() < 24 * 1024, timeout=30)
+        # Idle buffers are given back by the next sweeps: ~6 KiB is left (69 KiB when the staging
+        # buffer was kept, ~23 KiB if the reply buffer were).
+        wait_until(lambda: per_connection() < 16 * 1024, timeout=30)
     finally:
         for w in conns + warm:
             w.close()
