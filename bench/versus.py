@@ -10,6 +10,13 @@ and server CPU per request. Same clients, drivers and keys as ``bench run``.
 
     python -m bench.versus                                  # EXIST and 4 KiB GET, 1/4/16 clients
     python -m bench.versus --rounds 5 --depths 1,16,1000 --clients 1 --ops exist
+    python -m bench.versus --baseline ../before             # against another lmserver build
+
+``--baseline DIR`` puts another checkout of lmserver in Redis's place: an A/B of a change,
+interleaved the same way. Build it in place first (``git worktree add ../before HEAD~1 && cd
+../before && python setup.py build_ext --inplace``, with this virtual environment active); it
+runs with this interpreter and packages, its own ``lmserver`` and ``lmproto`` first on the path
+(``python -P``: not the current directory's).
 """
 
 from __future__ import annotations
@@ -17,7 +24,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
+import shlex
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -44,12 +54,23 @@ def measure(
     }
 
 
+def start_peer(baseline: Path | None, out: Path) -> Target:
+    """Redis, or with ``baseline`` the lmserver checkout in that folder (see the docstring)."""
+    if baseline is None:
+        return start_redis_local(out)
+    path = os.pathsep.join([str(baseline), str(baseline / "protocol")])
+    cmd = shlex.join(["env", f"PYTHONPATH={path}", sys.executable, "-P", "-m", "lmserver"])
+    return start_lmserver("baseline", out, cmd, [], "1GiB")
+
+
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    if args.baseline is not None and not (args.baseline / "lmserver" / "__main__.py").is_file():
+        raise SystemExit(f"--baseline {args.baseline}: not an lmserver checkout")  # before starting any
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     clients = [int(c) for c in args.clients.split(",")]
     pool = ClientPool(clients)
-    servers = [start_lmserver("lmserver", out, None, [], "1GiB"), start_redis_local(out)]
+    servers = [start_lmserver("lmserver", out, None, [], "1GiB"), start_peer(args.baseline, out)]
     rows: list[dict[str, Any]] = []
     try:
         for s in servers:
@@ -63,7 +84,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             for r in range(args.rounds):
                 for s in servers if r % 2 == 0 else servers[::-1]:
                     per[s.name].append(measure(pool, s, op, size, n, depth, args.duration))
-            rows.append(summarize(op, size, n, depth, per))
+            rows.append(summarize(op, size, n, depth, per, servers[1].name))
             print(format_row(rows[-1]), flush=True)
     finally:
         for s in servers:
@@ -73,9 +94,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def summarize(
-    op: str, size: int, clients: int, depth: int, per: dict[str, list[dict[str, Any]]]
+    op: str, size: int, clients: int, depth: int, per: dict[str, list[dict[str, Any]]], peer: str
 ) -> dict[str, Any]:
-    lm, rd = per["lmserver"], per["redis-local"]
+    lm, rd = per["lmserver"], per[peer]
     ratios = [
         a["ops_per_s"] / b["ops_per_s"]
         for a, b in zip(lm, rd, strict=True)
@@ -94,10 +115,11 @@ def summarize(
         "ratio_median": statistics.median(ratios) if ratios else None,
         "ratio_min": min(ratios, default=None),
         "ratio_max": max(ratios, default=None),
+        "peer": peer,
         "lmserver_ops_per_s": median(lm, "ops_per_s"),
-        "redis_ops_per_s": median(rd, "ops_per_s"),
+        "peer_ops_per_s": median(rd, "ops_per_s"),
         "lmserver_cpu_us": median(lm, "cpu_us_per_op"),
-        "redis_cpu_us": median(rd, "cpu_us_per_op"),
+        "peer_cpu_us": median(rd, "cpu_us_per_op"),
         "problems": [m["problem"] for m in lm + rd if m["problem"]],
         "rounds": per,
     }
@@ -112,16 +134,17 @@ def format_row(row: dict[str, Any]) -> str:
         f"| {row['op']} | {report.fmt_size(row['size'])} | {row['clients']} | {row['depth']} "
         f"| {_f(row['ratio_median'], '.2f')} ({_f(row['ratio_min'], '.2f')}-{_f(row['ratio_max'], '.2f')}) "
         f"| {_f(row['lmserver_ops_per_s'] and row['lmserver_ops_per_s'] / 1e3, '.1f')} "
-        f"| {_f(row['redis_ops_per_s'] and row['redis_ops_per_s'] / 1e3, '.1f')} "
-        f"| {_f(row['lmserver_cpu_us'], '.2f')} | {_f(row['redis_cpu_us'], '.2f')} |"
+        f"| {_f(row['peer_ops_per_s'] and row['peer_ops_per_s'] / 1e3, '.1f')} "
+        f"| {_f(row['lmserver_cpu_us'], '.2f')} | {_f(row['peer_cpu_us'], '.2f')} |"
         + (f" {row['problems'][0]}" if row["problems"] else "")
     )
 
 
-HEADER = (
-    "| op | size | clients | depth | x Redis, median (range) | lmserver k/s | Redis k/s "
-    "| lmserver CPU us/req | Redis CPU us/req |\n|---|---|---|---|---|---|---|---|---|"
-)
+def header(peer: str) -> str:
+    return (
+        f"| op | size | clients | depth | x {peer}, median (range) | lmserver k/s | {peer} k/s "
+        f"| lmserver CPU us/req | {peer} CPU us/req |\n|---|---|---|---|---|---|---|---|---|"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,10 +155,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--depths", default="1,16", help="pipeline depths (1 = one at a time)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--duration", type=float, default=1.0, help="seconds per measurement")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="another lmserver checkout (built in place) to compare with, instead of Redis",
+    )
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / f"versus-{stamp}")
     args = parser.parse_args(argv)
-    print(HEADER, flush=True)
+    print(header("Redis" if args.baseline is None else "baseline"), flush=True)
     rows = run(args)
     (args.out / "versus.json").write_text(
         json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1)

@@ -4,6 +4,7 @@ alternating rounds, the table and JSON written. No timing assertions."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -33,8 +34,45 @@ def test_versus_measures_every_cell_in_alternating_rounds(tmp_path: Path) -> Non
     ]
     for r in rows:
         assert not r["problems"], r["problems"]
+        assert r["peer"] == "redis-local"
         assert all(len(r["rounds"][s]) == 2 for s in ("lmserver", "redis-local"))
         assert r["ratio_min"] <= r["ratio_median"] <= r["ratio_max"]
-        assert r["lmserver_cpu_us"] is not None and r["redis_cpu_us"] is not None
+        assert r["lmserver_cpu_us"] is not None and r["peer_cpu_us"] is not None
     table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
     assert len(table) == 1 + len(rows)  # the header, then a line per cell as it is measured
+    assert "x Redis" in table[0]
+
+
+def test_versus_compares_with_another_checkout(tmp_path: Path) -> None:
+    """``--baseline``: another lmserver checkout in Redis's place (here this one: its own
+    modules, not the current directory's, are the ones it runs)."""
+    out = tmp_path / "ab"
+    args = ["--ops", "get", "--clients", "1", "--depths", "1,4", "--rounds", "2", "--duration", "0.05"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.versus", *args, "--baseline", str(REPO), "--out", str(out)],
+        cwd=tmp_path,  # not the checkout: what the baseline imports comes from --baseline alone
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads((out / "versus.json").read_text())["rows"]
+    assert [(r["op"], r["depth"]) for r in rows] == [("get", 1), ("get", 4)]
+    for r in rows:
+        assert not r["problems"], r["problems"]
+        assert r["peer"] == "baseline" and len(r["rounds"]["baseline"]) == 2
+        assert r["peer_cpu_us"] is not None
+    assert "x baseline" in proc.stdout
+    assert '"host": "127.0.0.1"' in (out / "baseline.log").read_text()  # it started and listened
+
+
+def test_versus_refuses_a_baseline_that_is_not_a_checkout(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.versus", "--baseline", str(tmp_path), "--out", str(tmp_path / "o")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0 and "not an lmserver checkout" in proc.stderr
