@@ -1031,7 +1031,7 @@ class LMProtocol(asyncio.BufferedProtocol):
             buffered = len(self.reply_buffer)
             if buffered and not (self.copying_transport and buffered > WRITE_PIECE):
                 self.owe_ack = False  # the reply carries it
-                self._send_buffered()
+                self._send_buffered(buffered)
                 return
         self._seal_replies()
         if not self.replies:
@@ -1055,13 +1055,11 @@ class LMProtocol(asyncio.BufferedProtocol):
                 self.unsent_pins += self.reply_pins
             self.reply_pins = []
 
-    def _send_buffered(self) -> None:
-        """Write the reply buffer's bytes, as ``_send`` would: what the socket does not take
-        goes to the transport as a bytes copy, so the buffer is free again at once."""
-        if self._may_send_directly():
-            self._send_replies(self.fd)
-            if not len(self.reply_buffer):
-                return
+    def _send_buffered(self, buffered: int) -> None:
+        """Write the reply buffer's ``buffered`` bytes, as ``_send`` would: what the socket does
+        not take goes to the transport as a bytes copy, so the buffer is free again at once."""
+        if self._may_send_directly() and self._send_replies(self.fd) == buffered:
+            return
         self.write(self.reply_buffer.take())
 
     def _send(self, data: bytes | memoryview) -> None:
