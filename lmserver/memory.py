@@ -9,12 +9,9 @@ Strategy:
   in the socket's send queue, a write-behind to disk). Removing a pinned entry unlinks it
   at once but returns its buffer to the pool only when the last pin goes, so a buffer is
   never rewritten under a reader.
-* Keys are spread over N shards, each a lock, a dict of its keys and their recency order
-  (a doubly linked list through the entries, oldest first). Every access stamps the entry
-  with a global tick, so the global LRU victim is the oldest unpinned entry of a shard with
-  the smallest tick: exact LRU with short, sharded locks. A GET relinks its entry at the
-  newest end (a few attribute writes); keeping the dict itself in recency order took a
-  delete and a re-insert per GET (~800 instructions of a 4 KiB GET).
+* Keys are spread over N shards, each a lock and an insertion-ordered dict kept in
+  recency order. Every access stamps the entry with a global tick, so the global LRU
+  victim is the shard head with the smallest tick: exact LRU with short, sharded locks.
 * Recency: GET (hit) and PUT refresh an object; EXIST, EXIST_MANY, LIST and STATS do not,
   so a lookup storm never reorders what is cached.
 """
@@ -47,8 +44,6 @@ class Entry:
         "lent",
         "live",
         "meta",
-        "newer",
-        "older",
         "pins",
         "reply_generation",
         "reply_header",
@@ -65,9 +60,6 @@ class Entry:
         self.live = False  # reachable through the index
         self.lent = False  # evicted and being demoted: its buffer is in the pool's lent share
         self.tick = 0
-        # Neighbours in its shard's recency order while it is live (see _Shard).
-        self.older: Entry | None = None
-        self.newer: Entry | None = None
         # The connection layer's cache of this object's GET reply header, for one frame
         # generation at a time: its status, length and metadata never change once stored.
         self.reply_header = b""
@@ -128,11 +120,7 @@ def _no_copy(header: bytes, buffer: Buffer, length: int) -> None:
 
 
 class _Shard:
-    """A lock, the live entries under it by key, and their recency order: a doubly linked
-    list through the entries (``older``/``newer``) from ``oldest`` to ``newest``. Every
-    method is called with the lock held."""
-
-    __slots__ = ("acquire", "entries", "lock", "newest", "oldest", "release")
+    __slots__ = ("acquire", "entries", "lock", "release")
 
     def __init__(self) -> None:
         self.lock = ShardLock()
@@ -141,41 +129,6 @@ class _Shard:
         self.acquire: Callable[[], bool] = self.lock.acquire
         self.release: Callable[[], None] = self.lock.release
         self.entries: dict[str, Entry] = {}
-        self.oldest: Entry | None = None
-        self.newest: Entry | None = None
-
-    def link_newest(self, entry: Entry) -> None:
-        newest = self.newest
-        entry.older, entry.newer = newest, None
-        if newest is None:
-            self.oldest = entry
-        else:
-            newest.newer = entry
-        self.newest = entry
-
-    def unlink(self, entry: Entry) -> None:
-        older, newer = entry.older, entry.newer
-        if older is None:
-            self.oldest = newer
-        else:
-            older.newer = newer
-        if newer is None:
-            self.newest = older
-        else:
-            newer.older = older
-        entry.older = entry.newer = None  # no cycle left to the collector
-
-    def touch(self, entry: Entry) -> None:
-        """Move ``entry`` to the newest end."""
-        if entry is not self.newest:
-            self.unlink(entry)
-            self.link_newest(entry)
-
-    def oldest_unpinned(self) -> Entry | None:
-        entry = self.oldest
-        while entry is not None and entry.pins:
-            entry = entry.newer
-        return entry
 
 
 class MemoryTier:
@@ -246,8 +199,6 @@ class MemoryTier:
             shard.entries[key] = entry
             if old is not None:
                 old.live = False
-                shard.unlink(old)
-            shard.link_newest(entry)
         with self._keys_lock:
             self._bytes += entry.length
             if old is None:
@@ -292,11 +243,11 @@ class MemoryTier:
         shard = self._shards[_shard_index(key, len(self._shards))]  # _shard(), inlined: the GET path
         shard.acquire()  # not `with`: compiled, that is two generic method calls more per GET
         try:
-            entry = shard.entries.get(key)
+            entry = shard.entries.pop(key, None)
             if entry is None:
                 self.counters.misses += 1
                 return None
-            shard.touch(entry)
+            shard.entries[key] = entry  # re-insert: most recently used goes last
             entry.tick = self._next_tick()
             if entry.length <= copy_up_to:
                 copy(header_of(entry), entry.buffer, entry.length)
@@ -355,7 +306,6 @@ class MemoryTier:
             if entry is None:
                 return False
             entry.live = False
-            shard.unlink(entry)
         self._unlinked(entry)
         return True
 
@@ -375,7 +325,7 @@ class MemoryTier:
         victim: Entry | None = None
         for shard in self._shards:
             with shard.lock:
-                head = shard.oldest_unpinned()
+                head = next((e for e in shard.entries.values() if e.pins == 0), None)
             if head is not None and (victim is None or head.tick < victim.tick):
                 victim = head
         if victim is None:
@@ -394,7 +344,6 @@ class MemoryTier:
                 victim.lent = True
                 victim.pins += 1  # the demotion's pin, handed to the hook
             del shard.entries[victim.key]
-            shard.unlink(victim)
             victim.live = False
         self._unlinked(victim)
         self.counters.evictions += 1
