@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lmproto import NO_META, ObjectMeta
 from lmserver._framed import ReplyBuffer
@@ -71,6 +73,49 @@ def test_lru_eviction_order_and_recency_rules() -> None:
     store(tier, "e", b"y" * 4096)
     assert not tier.contains("b") and tier.contains("a")
     assert tier.counters.evictions == 1
+
+
+def _check_recency_order(tier: MemoryTier) -> list[str]:
+    """Every shard's dict is in recency order (ticks rising); returns all keys."""
+    keys = []
+    for shard in tier._shards:
+        ticks = [entry.tick for entry in shard.entries.values()]
+        assert ticks == sorted(ticks)
+        assert all(entry.live and entry.key == key for key, entry in shard.entries.items())
+        keys += shard.entries
+    return keys
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["put", "get", "exist", "delete"]), st.sampled_from("abcdefg"))))
+def test_eviction_follows_exact_recency_whatever_the_operations(operations: list[tuple[str, str]]) -> None:
+    """Against a model: the least recently put or read object is the one evicted."""
+    tier = MemoryTier(4 * 4096, shards=3)
+    model: list[str] = []  # keys, least recently used first
+    for op, key in operations:
+        if op == "put":
+            store(tier, key, key.encode() * 4096)
+            if len(model) == 4:  # four fit: the new copy's room is made first, from the oldest
+                model.pop(0)
+            if key in model:
+                model.remove(key)
+            model.append(key)
+        elif op == "get":
+            entry = tier.get(key)
+            assert (entry is not None) == (key in model)
+            if entry is not None:
+                assert bytes(entry.view) == key.encode() * 4096
+                tier.unpin(entry)
+                model.remove(key)
+                model.append(key)
+        elif op == "exist":
+            assert tier.contains(key) == (key in model)  # no change of recency
+        else:
+            assert tier.delete(key) == (key in model)
+            if key in model:
+                model.remove(key)
+        assert sorted(_check_recency_order(tier)) == sorted(model)
+        assert tier.objects == len(model)
 
 
 def test_pinned_objects_are_not_evicted_and_memory_is_freed_on_unpin() -> None:
