@@ -14,7 +14,8 @@ The counts include the stand-in transport and the feeding loop (interpreted Pyth
 cost per burst, the same in both builds of an A/B.
 
 ``--servers`` counts whole server processes instead: ``python -m lmserver`` and
-``redis-server``, each started under callgrind, answering the bench's own blocking client
+``redis-server`` (and with ``--baseline DIR`` another lmserver checkout, built in place, for an
+A/B of a change: see bench/versus.py), each started under callgrind, answering the bench's own blocking client
 over loopback (one at a time and 16 pipelined, EXIST and 4 KiB GET of one stored key). Each
 case is counted from a zeroed counter to a dump (``callgrind_control``), so start-up and the
 priming PUT are not in it. This is the user-space side of a request, event loop and interpreter
@@ -43,7 +44,7 @@ from lmserver.logs import configure_logging
 
 from .drivers import bench_key, make_driver
 from .hotpath import feed, hot_connection
-from .targets import Target, start_lmserver, start_redis_local
+from .targets import Target, baseline_command, start_lmserver, start_redis_local
 
 CASES = (("exist", 1), ("exist", 16), ("exist", 300), ("get", 16))
 """(command, requests per burst); GETs are of one 4 KiB object."""
@@ -146,31 +147,48 @@ def _server_counts(target: Target, out: Path, requests: int) -> dict[tuple[str, 
     return counts
 
 
-def servers(requests: int) -> None:
-    """Print whole-process instructions per request, lmserver against redis-server."""
+def servers(requests: int, baseline: Path | None = None) -> None:
+    """Print whole-process instructions per request, lmserver against redis-server (and
+    against the lmserver checkout ``baseline``, if given: an A/B of a change)."""
     if shutil.which("redis-server") is None or shutil.which("callgrind_control") is None:
         sys.exit("bench.instructions --servers needs redis-server and valgrind on PATH")
     os.environ["PYTHONHASHSEED"] = "0"  # the servers inherit it: dicts lay out the same each run
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench-instructions-") as tmp:
         out = Path(tmp)
-        lm_cmd = " ".join([*_callgrind(out, "lmserver"), sys.executable, "-m", "lmserver"])
-        for target in (
-            start_lmserver("lmserver", out, lm_cmd, [], "1G", startup=180.0),
-            start_redis_local(out, startup=60.0, wrapper=_callgrind(out, "redis-local")),
-        ):
+        commands = {"lmserver": " ".join([*_callgrind(out, "lmserver"), sys.executable, "-m", "lmserver"])}
+        if baseline is not None:
+            commands["baseline"] = baseline_command(baseline, _callgrind(out, "baseline"))
+        for name in [*commands, "redis-local"]:  # one at a time: each counted alone
+            if name == "redis-local":
+                target = start_redis_local(out, startup=60.0, wrapper=_callgrind(out, name))
+            else:
+                target = start_lmserver(name, out, commands[name], [], "1G", startup=180.0)
             try:
                 if target.skipped:
                     sys.exit(f"{target.name} did not start: {target.note}")
                 results[target.name] = _server_counts(target, out, requests)
             finally:
                 target.stop()
-    print("| request | depth | lmserver | redis-server | lmserver / redis |")
-    print("|---|---|---|---|---|")
+    print(format_server_counts(results))
+
+
+def format_server_counts(results: dict[str, dict[tuple[str, int], float]]) -> str:
+    """The table of ``servers``: lmserver, the baseline if counted, Redis, and the ratios."""
+    ab = "baseline" in results
+    columns = ["request", "depth", "lmserver", *(["baseline"] if ab else []), "redis-server"]
+    columns += ["lmserver / redis", *(["lmserver / baseline"] if ab else [])]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for command, depth in SERVER_CASES:
         lm, redis = results["lmserver"][command, depth], results["redis-local"][command, depth]
-        name = "4 KiB get" if command == "get" else command
-        print(f"| {name} | {depth} | {lm:,.0f} | {redis:,.0f} | {lm / redis:.2f} |")
+        row = f"| {'4 KiB get' if command == 'get' else command} | {depth} | {lm:,.0f} |"
+        if ab:
+            row += f" {results['baseline'][command, depth]:,.0f} |"
+        row += f" {redis:,.0f} | {lm / redis:.2f} |"
+        if ab:
+            row += f" {lm / results['baseline'][command, depth]:.2f} |"
+        lines.append(row)
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -181,6 +199,11 @@ def main() -> None:
         action="store_true",
         help="whole server processes over loopback, lmserver against redis-server (user space)",
     )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="with --servers: also count another lmserver checkout, built in place (an A/B)",
+    )
     parser.add_argument("--serve", nargs=3, metavar=("COMMAND", "DEPTH", "REQUESTS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
@@ -188,8 +211,10 @@ def main() -> None:
         _serve(command, int(depth), int(requests))
         return
     if args.servers:
-        servers(args.requests)
+        servers(args.requests, args.baseline)
         return
+    if args.baseline is not None:
+        parser.error("--baseline goes with --servers")
     if shutil.which("valgrind") is None:
         sys.exit("bench.instructions needs valgrind (Debian: apt-get install valgrind)")
     print("| request | depth | instructions per request |")

@@ -138,6 +138,18 @@ def lmserver_available(cmd: str | None) -> str | None:
     return None
 
 
+def baseline_command(checkout: Path, wrapper: Sequence[str] = ()) -> str:
+    """The command line that runs the lmserver of another checkout (built in place: ``python
+    setup.py build_ext --inplace``) with this interpreter and its packages: the checkout's
+    ``lmserver`` and ``lmproto`` first on the path, and ``python -P`` so that the current
+    directory's do not come before them. ``wrapper`` goes in front of the interpreter (valgrind).
+    SystemExit if ``checkout`` is not an lmserver checkout."""
+    if not (checkout / "lmserver" / "__main__.py").is_file():
+        raise SystemExit(f"--baseline {checkout}: not an lmserver checkout")
+    path = os.pathsep.join([str(checkout), str(checkout / "protocol")])
+    return shlex.join(["env", f"PYTHONPATH={path}", *wrapper, sys.executable, "-P", "-m", "lmserver"])
+
+
 def start_lmserver(
     name: str, out: Path, cmd: str | None, extra_args: list[str], memory_limit: str, startup: float = 30.0
 ) -> Target:

@@ -24,17 +24,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
-import shlex
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from . import report
 from .cli import measure_cell
-from .targets import Target, start_lmserver, start_redis_local
+from .targets import Target, baseline_command, start_lmserver, start_redis_local
 from .worker import CellSpec, ClientPool
 
 KEYS_PER_CLIENT = 512
@@ -54,23 +51,17 @@ def measure(
     }
 
 
-def start_peer(baseline: Path | None, out: Path) -> Target:
-    """Redis, or with ``baseline`` the lmserver checkout in that folder (see the docstring)."""
-    if baseline is None:
-        return start_redis_local(out)
-    path = os.pathsep.join([str(baseline), str(baseline / "protocol")])
-    cmd = shlex.join(["env", f"PYTHONPATH={path}", sys.executable, "-P", "-m", "lmserver"])
-    return start_lmserver("baseline", out, cmd, [], "1GiB")
-
-
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    if args.baseline is not None and not (args.baseline / "lmserver" / "__main__.py").is_file():
-        raise SystemExit(f"--baseline {args.baseline}: not an lmserver checkout")  # before starting any
+    # The baseline's command first: it refuses a folder that is no checkout before any server starts.
+    baseline = None if args.baseline is None else baseline_command(args.baseline)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     clients = [int(c) for c in args.clients.split(",")]
     pool = ClientPool(clients)
-    servers = [start_lmserver("lmserver", out, None, [], "1GiB"), start_peer(args.baseline, out)]
+    servers = [
+        start_lmserver("lmserver", out, None, [], "1GiB"),
+        start_redis_local(out) if baseline is None else start_lmserver("baseline", out, baseline, [], "1GiB"),
+    ]
     rows: list[dict[str, Any]] = []
     try:
         for s in servers:

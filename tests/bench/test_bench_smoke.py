@@ -210,3 +210,41 @@ def test_instructions_drives_every_server_case(tmp_path: Path, monkeypatch: pyte
         target.stop()
     assert len(ran) == len(instructions.SERVER_CASES)
     assert counts == {case: 1000 / 32 for case in instructions.SERVER_CASES}
+
+
+def test_instructions_counts_a_baseline_checkout_and_tables_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--servers --baseline DIR``: the other checkout's server starts from its own modules
+    (here this checkout, wrapped as valgrind would be) and gets its columns in the table."""
+    monkeypatch.syspath_prepend(str(REPO))
+    from bench import instructions
+    from bench.targets import baseline_command, start_lmserver
+
+    monkeypatch.setattr(instructions, "_count", lambda target, out, work: work() or 640)
+    target = start_lmserver("baseline", tmp_path, baseline_command(REPO, ["env"]), [], "64M")
+    try:
+        assert not target.skipped, target.note
+        counts = instructions._server_counts(target, tmp_path, 32)
+    finally:
+        target.stop()
+    assert counts == {case: 20 for case in instructions.SERVER_CASES}
+    table = instructions.format_server_counts(
+        {"lmserver": {c: 10 for c in counts}, "baseline": counts, "redis-local": {c: 40 for c in counts}}
+    ).splitlines()
+    assert table[0] == (
+        "| request | depth | lmserver | baseline | redis-server | lmserver / redis | lmserver / baseline |"
+    )
+    assert table[2] == "| exist | 1 | 10 | 20 | 40 | 0.25 | 0.50 |"
+    plain = instructions.format_server_counts({"lmserver": counts, "redis-local": counts}).splitlines()
+    assert plain[0].count("|") == 6 and plain[2] == "| exist | 1 | 20 | 20 | 1.00 |"
+    with pytest.raises(SystemExit, match="not an lmserver checkout"):
+        baseline_command(tmp_path)
+    refused = subprocess.run(
+        [sys.executable, "-m", "bench.instructions", "--baseline", str(REPO)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 2 and "--baseline goes with --servers" in refused.stderr
