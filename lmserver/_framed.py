@@ -38,7 +38,10 @@ def send_nowait(fd: int, data: Buffer) -> int:
     is gone, ``fd`` is closed: the caller hands the rest to the transport, which finds the same
     error and reports it). Raises ValueError unless ``0 <= fd <= 2**31 - 1``, TypeError if
     ``fd`` is not an int or ``data`` not a buffer of bytes."""
-    _check_fd(fd)
+    if not isinstance(fd, int):
+        raise TypeError(f"fd must be an int, not {type(fd).__name__}")
+    if not 0 <= fd <= _FD_MAX:
+        raise ValueError(f"fd must be in 0..{_FD_MAX}, not {fd}")
     view = memoryview(data)  # TypeError for what is not a buffer, as the C twin
     try:
         return os.write(fd, view)
@@ -96,13 +99,6 @@ class ReplyBuffer:
     def release(self) -> None:
         """Drop what is queued and free the memory (the next ``add`` allocates again)."""
         self._data = bytearray()
-
-
-def _check_fd(fd: int) -> None:
-    if not isinstance(fd, int):
-        raise TypeError(f"fd must be an int, not {type(fd).__name__}")
-    if not 0 <= fd <= _FD_MAX:
-        raise ValueError(f"fd must be in 0..{_FD_MAX}, not {fd}")
 
 
 _FD_MAX = 2**31 - 1
