@@ -743,7 +743,7 @@ class LMProtocol(asyncio.BufferedProtocol):
         except IndexError:
             # An mmap: its pages cost RSS only once touched (one, for a lone small request),
             # and a freed one goes back to the OS, not into malloc's heap.
-            self.staging = mmap.mmap(-1, STAGING_SIZE)
+            self.staging = mmap.mmap(-1, STAGING_SIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.staging_view = memoryview(self.staging)
 
     def _give_staging(self) -> None:

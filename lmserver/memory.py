@@ -393,6 +393,8 @@ class MemoryTier:
             "demoting_bytes": self.pool.lent,
             "pool_fresh_allocations": self.pool.fresh_allocations,
             "pool_reuses": self.pool.reuses,
+            "pool_mappings": self.pool.mappings,
+            "pool_map_failures": self.pool.map_failures,
             "hits": c.hits,
             "misses": c.misses,
             "evictions": c.evictions,

@@ -5,12 +5,23 @@ reuse here), while KV-cache chunks come in a handful of fixed sizes. So buffers 
 per-size-class free lists and handed out again. Classes round a length up to 1/16 of its
 power of two (4 KiB minimum), wasting at most ~6%.
 
-Every buffer is its own anonymous ``mmap``: dropping one unmaps it, so its memory really
-goes back to the OS. (``bytearray`` buffers came from malloc's heap, which glibc keeps
-fragmented: a long overwrite run reached 1.7x ``--memory-limit`` in RSS while the pool's
-accounting stayed under it.) An mmap's pages are also untouched until written: a buffer
-costs RSS only as its body arrives. Nobody closes a buffer explicitly; the mapping goes
-when the last reference (memoryviews included) does, so no reader can see it unmapped.
+Buffers are slots carved out of *slabs*: private anonymous ``mmap``s of ``SLAB_BYTES``
+(64 MiB) per size class, or one slot each for classes that large. A dropped buffer's pages
+go back to the OS at once (``MADV_DONTNEED``; its slot is handed out again later as a fresh
+one), and a slab whose slots are all dropped is unmapped. (``bytearray`` buffers came from
+malloc's heap, which glibc keeps fragmented: a long overwrite run reached 1.7x
+``--memory-limit`` in RSS while the pool's accounting stayed under it.) Pages are untouched
+until written: a buffer costs RSS only as its body arrives.
+
+Why slabs and not one mapping per buffer: Linux allows a process ``vm.max_map_count``
+mappings (65,530 by default), and each mapping the kernel cannot merge with its neighbour
+counts. With one shared mapping per buffer (Python's ``mmap`` default, which never merges)
+a store of 4 KiB objects failed at ~65,000 objects, far below its memory limit, and the
+failed ``mmap`` took down whatever needed a mapping next (a connection's reply buffer);
+private mappings merge, but dropping scattered idle buffers split them again (52,000
+mappings after a few rounds of deleting and refilling 100,000 of 300,000 objects). With
+slabs the pool holds about ``memory / 64 MiB`` mappings plus one per object of 64 MiB or
+more, whatever the object sizes and the order they come and go in.
 
 Capacity is counted in class bytes, for buffers in use *and* on free lists, so the pool
 never holds more memory than it was given. When a class has no free buffer and the budget
@@ -43,8 +54,41 @@ import structlog
 log = structlog.get_logger("lmserver.pool")
 
 _MIN_CLASS = 4096
+SLAB_BYTES = 64 << 20
+"""The mapping that small size classes share: ``SLAB_BYTES // class`` buffers each."""
 
-Buffer = mmap.mmap
+Buffer = memoryview
+"""A buffer: one slot of a slab, ``len()`` its size class, writable."""
+
+
+class _Slab:
+    """One private anonymous mapping cut into equal slots of one size class."""
+
+    __slots__ = ("cls", "fresh", "listed", "map", "slots", "unused", "used", "whole")
+
+    def __init__(self, cls: int) -> None:
+        self.cls = cls
+        self.slots = max(1, SLAB_BYTES // cls)
+        # Private, not mmap's default shared: private anonymous mappings next to each other
+        # merge into one kernel mapping, shared ones (each its own shmem object) never do.
+        self.map = mmap.mmap(-1, self.slots * cls, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.whole = memoryview(self.map)
+        self.fresh: list[tuple[Buffer, int]] = []  # dropped slots (pages given back), by offset
+        self.unused = 0  # slots [unused, slots) were never handed out
+        self.used = 0  # slots handed out and not dropped: in use, lent or idle
+        self.listed = False  # in the pool's list of slabs with a fresh or unused slot
+
+    def has_room(self) -> bool:
+        return bool(self.fresh) or self.unused < self.slots
+
+    def take(self) -> tuple[Buffer, int]:
+        """A fresh slot (untouched pages) and its offset in the mapping."""
+        self.used += 1
+        if self.fresh:
+            return self.fresh.pop()
+        offset = self.unused * self.cls
+        self.unused += 1
+        return self.whole[offset : offset + self.cls], offset
 
 
 def size_class(length: int) -> int:
@@ -62,6 +106,9 @@ class BufferPool:
         self.capacity = capacity
         self._lock = threading.Lock()
         self._free: dict[int, list[Buffer]] = {}
+        self._open_slabs: dict[int, list[_Slab]] = {}  # per class: slabs with room, newest last
+        self._home: dict[int, tuple[_Slab, int]] = {}  # id(buffer) -> its slab and offset
+        self._slabs = 0
         self._in_use = 0  # class bytes handed out and not yet released
         self._idle = 0  # class bytes sitting on free lists
         self._idle_low = 0  # the fewest idle bytes since the last trim_unused()
@@ -72,6 +119,7 @@ class BufferPool:
         self._lent = 0
         self.fresh_allocations = 0
         self.reuses = 0
+        self.map_failures = 0
 
     @property
     def in_use(self) -> int:
@@ -84,6 +132,11 @@ class BufferPool:
     @property
     def lent(self) -> int:
         return self._lent
+
+    @property
+    def mappings(self) -> int:
+        """Slabs mapped now: the memory mappings the pool holds."""
+        return self._slabs
 
     def set_lend_limit(self, limit: int) -> None:
         with self._lock:
@@ -122,13 +175,60 @@ class BufferPool:
                 return free.pop(), cls
             self._trim_locked(self.capacity - self._in_use - self._lent - charge)
             self._idle_low = min(self._idle_low, self._idle)
+            try:
+                buf = self._take_fresh(cls)
+            except OSError as exc:
+                # No mapping to be had (the OS is out of memory or of mappings): answered as
+                # a full pool, after giving back every idle buffer, which may free a slab.
+                self.map_failures += 1
+                self._trim_locked(0)
+                log.warning("mapping a slab failed", size_class=cls, error=str(exc))
+                return None
             self._in_use += charge
             self.fresh_allocations += 1
-        # Outside the lock: mapping is cheap; the charged part is populated now, the rest as
-        # the charge grows.
-        buf = mmap.mmap(-1, cls)
+        # Outside the lock: the charged part is populated now, the rest as the charge grows.
         populate(buf, 0, charge)
         return buf, charge
+
+    def _take_fresh(self, cls: int) -> Buffer:
+        """A slot never written since it was mapped or dropped (the lock is held)."""
+        open_slabs = self._open_slabs.setdefault(cls, [])
+        if open_slabs:
+            slab = open_slabs[-1]
+        else:
+            slab = _Slab(cls)
+            slab.listed = True
+            open_slabs.append(slab)
+            self._slabs += 1
+        buf, offset = slab.take()
+        self._home[id(buf)] = (slab, offset)
+        if not slab.has_room():
+            open_slabs.pop()
+            slab.listed = False
+        return buf
+
+    def _drop(self, buf: Buffer) -> None:
+        """Give a buffer's pages back to the OS; its slot becomes fresh (the lock is held, and
+        nobody references the buffer any more). A slab with no slot left in use is unmapped."""
+        slab, offset = self._home[id(buf)]
+        slab.used -= 1
+        if slab.used:
+            slab.map.madvise(mmap.MADV_DONTNEED, offset, slab.cls)
+            slab.fresh.append((buf, offset))
+            if not slab.listed:
+                # Taken from next, before slabs with more room: those may drain and go.
+                slab.listed = True
+                self._open_slabs[slab.cls].append(slab)
+            return
+        for view, _ in slab.fresh:
+            del self._home[id(view)]
+        del self._home[id(buf)]
+        slab.fresh.clear()
+        if slab.listed:
+            self._open_slabs[slab.cls].remove(slab)
+        self._slabs -= 1
+        # No close(): the mapping goes with the last reference to it, so a view that is
+        # still around (a caller's bug) can never point at unmapped memory.
 
     def charge(self, nbytes: int) -> bool:
         """Count ``nbytes`` more of a partially charged buffer; False when the budget is spent
@@ -148,6 +248,7 @@ class BufferPool:
         with self._lock:
             if not lent and charged is not None and charged < cls:
                 self._in_use -= charged  # partially filled: not worth keeping, dropped
+                self._drop(buf)
                 return
             # Its bytes were counted against capacity when acquired: keeping it idle fits.
             if lent:
@@ -177,7 +278,7 @@ class BufferPool:
                 return
             free = self._free[cls]
             while free and self._idle > keep:
-                free.pop()
+                self._drop(free.pop())
                 self._idle -= cls
             if not free:
                 del self._free[cls]

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import psutil
 from wire import Wire
 
-from lmproto import Command, decode_json
+from lmproto import NO_META, Command, decode_json
 
 MiB = 1024 * 1024
 RSS_OVERHEAD = 16 * MiB
@@ -133,3 +133,44 @@ def test_unread_list_replies_are_held_within_the_memory_limit(spawn_server) -> N
     finally:
         for reader in readers:
             reader.close()
+
+
+def _max_map_count() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except OSError:
+        return 65530  # Linux's default
+
+
+def test_more_small_objects_than_the_os_allows_mappings(spawn_server) -> None:
+    """Linux allows a process vm.max_map_count mappings (65,530 by default). With one mapping
+    per object a store of small objects failed there, far below its memory limit, and took
+    the connection with it. Buffers are slots of shared slabs: more objects than that are
+    stored, read back, deleted in a scattered half and stored again."""
+    count = min(_max_map_count(), 100_000) + 2_000
+    server = spawn_server("--memory-limit", str(count * 4096 + 64 * MiB))
+    keys = [f"small{i:06}" for i in range(count)]
+
+    def body(key: str) -> bytes:
+        return key.encode().ljust(4096, b".")
+
+    with Wire(server.host, server.port) as w:
+
+        def store(batch: list[str]) -> None:
+            for first in range(0, len(batch), 500):
+                part = batch[first : first + 500]
+                w.send_raw(b"".join(w.frame(Command.PUT_ACK, k, body(k), NO_META) for k in part))
+                statuses = [w.reply()[0].status for _ in part]
+                assert statuses == [200] * len(part)
+
+        store(keys)
+        scattered = keys[::2]
+        w.send_raw(b"".join(w.frame(Command.DELETE, k) for k in scattered))
+        assert {w.reply()[0].status for _ in scattered} == {200}
+        store(scattered)
+        for key in (keys[0], keys[1], keys[count // 2 + 1], keys[-1]):
+            assert w.get(key) == body(key)
+        memory = decode_json(w.call(Command.STATS)[1])["tiers"][0]
+    assert memory["objects"] == count and memory["evictions"] == 0
+    assert memory["pool_mappings"] <= 10 and memory["pool_map_failures"] == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 from lmproto import NO_META, ObjectMeta
 from lmserver._framed import ReplyBuffer
 from lmserver.memory import Entry, MemoryTier
-from lmserver.pool import BufferPool, size_class
+from lmserver.pool import SLAB_BYTES, BufferPool, size_class
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -230,3 +231,74 @@ def test_populate_replaces_only_whole_pages_of_the_range() -> None:
     populate(buf, (n - 1) * page, 100 * n * page)
     assert buf[2 * page : 3 * page] == b"\x01" * page
     assert buf[:page] == b"\xab" * page
+
+
+def _process_mappings() -> int:
+    with open("/proc/self/maps") as maps:
+        return sum(1 for _ in maps)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="counts mappings in /proc")
+def test_buffers_share_slabs_and_dropping_scattered_ones_splits_no_mapping() -> None:
+    """Buffers are slots of a few large mappings (Linux allows ~65,000 mappings a process):
+    40,000 small buffers, then every other one dropped, add a handful, not thousands."""
+    count = 40_000
+    pool = BufferPool(count * 4 * KiB)
+    before = _process_mappings()
+    held = [pool.acquire(4 * KiB) for _ in range(count)]
+    assert all(b is not None for b in held) and len({id(b) for b in held}) == count
+    for b in held:
+        b[:1] = b"x"  # type: ignore[index]  # touched: its page is resident
+    slabs = -(-count * 4 * KiB // SLAB_BYTES)
+    assert pool.mappings == slabs
+    assert _process_mappings() - before < 50
+    for b in held[::2]:
+        pool.release(b)  # type: ignore[arg-type]
+    pool.trim_unused()
+    assert pool.trim_unused() == count // 2 * 4 * KiB  # each dropped: pages given back
+    assert pool.mappings == slabs and _process_mappings() - before < 50
+    for b in held[1::2]:
+        pool.release(b)  # type: ignore[arg-type]
+    pool.trim_unused()
+    pool.trim_unused()
+    assert pool.mappings == 0 and pool.idle == 0 and pool.in_use == 0
+
+
+def test_a_dropped_buffer_comes_back_fresh() -> None:
+    """A partially charged buffer is dropped on release: its pages are given back, and the
+    slot handed out again reads as zeros (nobody's old body)."""
+    pool = BufferPool(MiB)
+    keep = pool.acquire(64 * KiB)  # another buffer of the slab: it stays mapped
+    got = pool.acquire_partial(64 * KiB, 4 * KiB)
+    assert keep is not None and got is not None and got[1] == 4 * KiB
+    buf = got[0]
+    buf[: 4 * KiB] = b"\xab" * (4 * KiB)
+    pool.release(buf, charged=4 * KiB)
+    assert pool.in_use == 64 * KiB and pool.idle == 0 and pool.mappings == 1
+    again = pool.acquire(64 * KiB)
+    assert again is not None and bytes(again) == bytes(64 * KiB)
+    pool.release(keep)
+    pool.release(again)
+    pool.trim_unused()
+    pool.trim_unused()
+    assert pool.mappings == 0
+
+
+def test_a_failed_mapping_is_a_full_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """When the OS has no mapping to give (out of memory, or of mappings), acquire answers
+    as a full pool (the memory tier evicts or refuses), counts it, and drops idle buffers."""
+    from lmserver import pool as pool_module
+
+    pool = BufferPool(4 * MiB)
+    idle = pool.acquire(MiB)
+    assert idle is not None
+    pool.release(idle)
+
+    def no_mapping(*args: object, **kwargs: object) -> None:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(pool_module.mmap, "mmap", no_mapping)
+    assert pool.acquire(64 * KiB) is None
+    assert pool.map_failures == 1 and pool.idle == 0 and pool.in_use == 0
+    monkeypatch.undo()
+    assert pool.acquire(64 * KiB) is not None
