@@ -394,6 +394,7 @@ class MemoryTier:
             "pool_fresh_allocations": self.pool.fresh_allocations,
             "pool_reuses": self.pool.reuses,
             "pool_mappings": self.pool.mappings,
+            "pool_mapped_bytes": self.pool.mapped_bytes,
             "pool_map_failures": self.pool.map_failures,
             "hits": c.hits,
             "misses": c.misses,

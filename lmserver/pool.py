@@ -5,8 +5,9 @@ reuse here), while KV-cache chunks come in a handful of fixed sizes. So buffers 
 per-size-class free lists and handed out again. Classes round a length up to 1/16 of its
 power of two (4 KiB minimum), wasting at most ~6%.
 
-Buffers are slots carved out of *slabs*: private anonymous ``mmap``s of ``SLAB_BYTES``
-(64 MiB) per size class, or one slot each for classes that large. A dropped buffer's pages
+Buffers are slots carved out of *slabs*: private anonymous ``mmap``s per size class, each
+twice the one before up to ``SLAB_BYTES`` (64 MiB), or one slot each for classes that large.
+A dropped buffer's pages
 go back to the OS at once (``MADV_DONTNEED``; its slot is handed out again later as a fresh
 one), and a slab whose slots are all dropped is unmapped. (``bytearray`` buffers came from
 malloc's heap, which glibc keeps fragmented: a long overwrite run reached 1.7x
@@ -20,8 +21,9 @@ a store of 4 KiB objects failed at ~65,000 objects, far below its memory limit, 
 failed ``mmap`` took down whatever needed a mapping next (a connection's reply buffer);
 private mappings merge, but dropping scattered idle buffers split them again (52,000
 mappings after a few rounds of deleting and refilling 100,000 of 300,000 objects). With
-slabs the pool holds about ``memory / 64 MiB`` mappings plus one per object of 64 MiB or
-more, whatever the object sizes and the order they come and go in.
+slabs the pool holds about ``memory / 64 MiB`` mappings (and a few more per size class in
+use) plus one per object of 64 MiB or more, whatever the object sizes and the order they
+come and go in.
 
 Capacity is counted in class bytes, for buffers in use *and* on free lists, so the pool
 never holds more memory than it was given. When a class has no free buffer and the budget
@@ -55,7 +57,10 @@ log = structlog.get_logger("lmserver.pool")
 
 _MIN_CLASS = 4096
 SLAB_BYTES = 64 << 20
-"""The mapping that small size classes share: ``SLAB_BYTES // class`` buffers each."""
+"""The largest slab: a class's slabs double from ``FIRST_SLAB_BYTES`` (its mapped total so
+far) up to this, so a class in little use maps little (in address space and in the commit
+charge of a strict-overcommit host) and a busy one maps one slab per 64 MiB."""
+FIRST_SLAB_BYTES = 1 << 20
 
 Buffer = memoryview
 """A buffer: one slot of a slab, ``len()`` its size class, writable."""
@@ -66,9 +71,9 @@ class _Slab:
 
     __slots__ = ("cls", "fresh", "listed", "map", "slots", "unused", "used", "whole")
 
-    def __init__(self, cls: int) -> None:
+    def __init__(self, cls: int, slots: int) -> None:
         self.cls = cls
-        self.slots = max(1, SLAB_BYTES // cls)
+        self.slots = slots
         # Private, not mmap's default shared: private anonymous mappings next to each other
         # merge into one kernel mapping, shared ones (each its own shmem object) never do.
         self.map = mmap.mmap(-1, self.slots * cls, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -108,6 +113,7 @@ class BufferPool:
         self._free: dict[int, list[Buffer]] = {}
         self._open_slabs: dict[int, list[_Slab]] = {}  # per class: slabs with room, newest last
         self._home: dict[int, tuple[_Slab, int]] = {}  # id(buffer) -> its slab and offset
+        self._mapped_slots: dict[int, int] = {}  # per class: slots of its slabs
         self._slabs = 0
         self._in_use = 0  # class bytes handed out and not yet released
         self._idle = 0  # class bytes sitting on free lists
@@ -137,6 +143,11 @@ class BufferPool:
     def mappings(self) -> int:
         """Slabs mapped now: the memory mappings the pool holds."""
         return self._slabs
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Address space the slabs take (resident only where written)."""
+        return sum(cls * slots for cls, slots in self._mapped_slots.items())
 
     def set_lend_limit(self, limit: int) -> None:
         with self._lock:
@@ -196,9 +207,12 @@ class BufferPool:
         if open_slabs:
             slab = open_slabs[-1]
         else:
-            slab = _Slab(cls)
+            mapped = self._mapped_slots.get(cls, 0)
+            slots = min(max(FIRST_SLAB_BYTES // cls, mapped), SLAB_BYTES // cls)
+            slab = _Slab(cls, max(1, slots))
             slab.listed = True
             open_slabs.append(slab)
+            self._mapped_slots[cls] = mapped + slab.slots
             self._slabs += 1
         buf, offset = slab.take()
         self._home[id(buf)] = (slab, offset)
@@ -226,6 +240,7 @@ class BufferPool:
         slab.fresh.clear()
         if slab.listed:
             self._open_slabs[slab.cls].remove(slab)
+        self._mapped_slots[slab.cls] -= slab.slots
         self._slabs -= 1
         # No close(): the mapping goes with the last reference to it, so a view that is
         # still around (a caller's bug) can never point at unmapped memory.

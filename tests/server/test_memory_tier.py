@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from lmproto import NO_META, ObjectMeta
 from lmserver._framed import ReplyBuffer
 from lmserver.memory import Entry, MemoryTier
-from lmserver.pool import SLAB_BYTES, BufferPool, size_class
+from lmserver.pool import FIRST_SLAB_BYTES, SLAB_BYTES, BufferPool, size_class
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -249,8 +249,9 @@ def test_buffers_share_slabs_and_dropping_scattered_ones_splits_no_mapping() -> 
     assert all(b is not None for b in held) and len({id(b) for b in held}) == count
     for b in held:
         b[:1] = b"x"  # type: ignore[index]  # touched: its page is resident
-    slabs = -(-count * 4 * KiB // SLAB_BYTES)
-    assert pool.mappings == slabs
+    # Slabs double from FIRST_SLAB_BYTES up to SLAB_BYTES, then one per SLAB_BYTES.
+    slabs = pool.mappings
+    assert slabs <= (SLAB_BYTES // FIRST_SLAB_BYTES).bit_length() + count * 4 * KiB // SLAB_BYTES + 1
     assert _process_mappings() - before < 50
     for b in held[::2]:
         pool.release(b)  # type: ignore[arg-type]
@@ -302,3 +303,16 @@ def test_a_failed_mapping_is_a_full_pool(monkeypatch: pytest.MonkeyPatch) -> Non
     assert pool.map_failures == 1 and pool.idle == 0 and pool.in_use == 0
     monkeypatch.undo()
     assert pool.acquire(64 * KiB) is not None
+
+
+def test_slabs_grow_with_their_class() -> None:
+    """A size class in little use maps little: its first slab is FIRST_SLAB_BYTES, and each
+    next one doubles what the class has mapped, up to SLAB_BYTES."""
+    pool = BufferPool(256 * MiB)
+    one = pool.acquire(4 * KiB)
+    assert one is not None and pool.mappings == 1 and pool.mapped_bytes == FIRST_SLAB_BYTES
+    big = [pool.acquire(8 * MiB) for _ in range(12)]  # 8 MiB class: slabs of 1, 1, 2, 4, 8 slots
+    assert all(b is not None for b in big)
+    assert pool.mappings == 1 + 5 and pool.mapped_bytes == FIRST_SLAB_BYTES + 16 * 8 * MiB
+    huge = pool.acquire(SLAB_BYTES + 1)  # a class past SLAB_BYTES: a slab of one slot each
+    assert huge is not None and pool.mappings == 7
