@@ -248,3 +248,20 @@ def test_instructions_counts_a_baseline_checkout_and_tables_it(
         timeout=60,
     )
     assert refused.returncode == 2 and "--baseline goes with --servers" in refused.stderr
+
+
+def test_object_overhead_prints_a_row_per_key_length() -> None:
+    """``python -m bench.object_overhead`` stores objects on a real server and prints, per key
+    length, its RSS growth per object (the figure itself is not checked: it is RSS)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.object_overhead", "--objects", "2000", "--key-lengths", "8,150"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    rows = [line.split("|")[1:3] for line in out.splitlines() if line.startswith("| ") and "key" not in line]
+    assert [int(length) for length, _ in rows] == [8, 150]
+    for _, value in rows:
+        float(value.replace(",", ""))  # a number, whatever its sign
