@@ -7,9 +7,8 @@ power of two (4 KiB minimum), wasting at most ~6%.
 
 Buffers are slots carved out of *slabs*: private anonymous ``mmap``s per size class, each
 twice the one before up to ``SLAB_BYTES`` (64 MiB), or one slot each for classes that large.
-A dropped buffer's pages
-go back to the OS at once (``MADV_DONTNEED``; its slot is handed out again later as a fresh
-one), and a slab whose slots are all dropped is unmapped. (``bytearray`` buffers came from
+A dropped buffer's pages go back to the OS at once (``MADV_DONTNEED``; its slot is handed
+out again later as a fresh one), and a slab whose slots are all dropped is unmapped. (``bytearray`` buffers came from
 malloc's heap, which glibc keeps fragmented: a long overwrite run reached 1.7x
 ``--memory-limit`` in RSS while the pool's accounting stayed under it.) Pages are untouched
 until written: a buffer costs RSS only as its body arrives.
