@@ -84,8 +84,8 @@ def main() -> None:
     default=None,
     envvar=_env("MEMORY_LIMIT"),
     show_envvar=True,
-    help="Bytes of object memory, never exceeded; LRU objects are evicted to make room. "
-    "[default: half of physical memory]",
+    help="Bytes of object memory (buffers, and 1 KiB per object for its metadata), never "
+    "exceeded; LRU objects are evicted to make room. [default: half of physical memory]",
 )
 @click.option(
     "--max-object-size",

@@ -53,7 +53,7 @@ for memory, ``--memory-wait``)."""
 TIER_GAUGES = frozenset(
     {"objects", "bytes", "capacity", "queue_depth", "queue_bytes", "queue_limit", "reserved_bytes",
      "idle_pool_bytes", "inflight_bytes", "pool_mappings",
-     "pool_mapped_bytes"}
+     "pool_mapped_bytes", "metadata_bytes"}
 )  # fmt: skip
 """Per-tier fields that go up and down; every other numeric field of a tier is a counter, and
 a true/false field (``healthy``) a 0/1 gauge."""

@@ -8,10 +8,10 @@ power of two (4 KiB minimum), wasting at most ~6%.
 Buffers are slots carved out of *slabs*: private anonymous ``mmap``s per size class, each
 twice the one before up to ``SLAB_BYTES`` (64 MiB), or one slot each for classes that large.
 A dropped buffer's pages go back to the OS at once (``MADV_DONTNEED``; its slot is handed
-out again later as a fresh one), and a slab whose slots are all dropped is unmapped. (``bytearray`` buffers came from
-malloc's heap, which glibc keeps fragmented: a long overwrite run reached 1.7x
-``--memory-limit`` in RSS while the pool's accounting stayed under it.) Pages are untouched
-until written: a buffer costs RSS only as its body arrives.
+out again later as a fresh one), and a slab whose slots are all dropped is unmapped.
+(``bytearray`` buffers came from malloc's heap, which glibc keeps fragmented: a long
+overwrite run reached 1.7x ``--memory-limit`` in RSS while the pool's accounting stayed
+under it.) Pages are untouched until written: a buffer costs RSS only as its body arrives.
 
 Why slabs and not one mapping per buffer: Linux allows a process ``vm.max_map_count``
 mappings (65,530 by default), and each mapping the kernel cannot merge with its neighbour
@@ -25,7 +25,8 @@ use) plus one per object of 64 MiB or more, whatever the object sizes and the or
 come and go in.
 
 Capacity is counted in class bytes, for buffers in use *and* on free lists, so the pool
-never holds more memory than it was given. When a class has no free buffer and the budget
+never holds more memory than it was given, plus ``object_overhead`` per buffer in use (the
+memory tier's estimate of an object's metadata). When a class has no free buffer and the budget
 is spent, free buffers of other classes are dropped (their memory goes back to the OS)
 before the caller is told to evict.
 
@@ -114,8 +115,12 @@ def size_class(length: int) -> int:
 class BufferPool:
     """Thread-safe; all methods are short critical sections."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, object_overhead: int = 0) -> None:
         self.capacity = capacity
+        # Charged per buffer handed out, for what its owner keeps beside it (the memory
+        # tier's per-object metadata): RSS the capacity covers too.
+        self.object_overhead = object_overhead
+        self._overhead = 0  # object_overhead per buffer handed out, not yet released or lent
         self._lock = threading.Lock()
         self._free: dict[int, list[Buffer]] = {}
         self._open_slabs: dict[int, list[_Slab]] = {}  # per class: slabs with room, newest last
@@ -147,6 +152,11 @@ class BufferPool:
         return self._lent
 
     @property
+    def overhead(self) -> int:
+        """``object_overhead`` times the buffers handed out (and not lent)."""
+        return self._overhead
+
+    @property
     def mappings(self) -> int:
         """Slabs mapped now: the memory mappings the pool holds."""
         return self._slabs
@@ -167,6 +177,7 @@ class BufferPool:
             if self._lent + cls > self.lend_limit:
                 return False
             self._in_use -= cls
+            self._overhead -= self.object_overhead  # its object is gone from its owner
             self._lent += cls
             return True
 
@@ -183,15 +194,17 @@ class BufferPool:
         with self._lock:
             free = self._free.get(cls)
             charge = cls if free else min(cls, charge)
-            if self._in_use + charge > self.capacity - self.lend_limit:
+            cost = charge + self.object_overhead
+            if self._in_use + self._overhead + cost > self.capacity - self.lend_limit:
                 return None
             if free:
                 self._idle -= cls
                 self._in_use += cls
+                self._overhead += self.object_overhead
                 self._idle_low = min(self._idle_low, self._idle)
                 self.reuses += 1
                 return free.pop(), cls
-            self._trim_locked(self.capacity - self._in_use - self._lent - charge)
+            self._trim_locked(self.capacity - self._in_use - self._overhead - self._lent - cost)
             self._idle_low = min(self._idle_low, self._idle)
             try:
                 buf = self._take_fresh(cls)
@@ -203,6 +216,7 @@ class BufferPool:
                 log.warning("mapping a slab failed", size_class=cls, error=str(exc))
                 return None
             self._in_use += charge
+            self._overhead += self.object_overhead
             self.fresh_allocations += 1
         # Outside the lock: the charged part is populated now, the rest as the charge grows.
         populate(buf, 0, charge)
@@ -256,9 +270,9 @@ class BufferPool:
         """Count ``nbytes`` more of a partially charged buffer; False when the budget is spent
         (idle buffers are dropped first to make room)."""
         with self._lock:
-            if self._in_use + nbytes > self.capacity - self.lend_limit:
+            if self._in_use + self._overhead + nbytes > self.capacity - self.lend_limit:
                 return False
-            self._trim_locked(self.capacity - self._in_use - self._lent - nbytes)
+            self._trim_locked(self.capacity - self._in_use - self._overhead - self._lent - nbytes)
             self._idle_low = min(self._idle_low, self._idle)
             self._in_use += nbytes
             return True
@@ -268,6 +282,8 @@ class BufferPool:
         ``lent``); it must no longer be referenced by anyone."""
         cls = len(buf)
         with self._lock:
+            if not lent:
+                self._overhead -= self.object_overhead
             if not lent and charged is not None and charged < cls:
                 self._in_use -= charged  # partially filled: not worth keeping, dropped
                 self._drop(buf)

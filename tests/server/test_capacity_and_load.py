@@ -10,6 +10,7 @@ import psutil
 from wire import Wire
 
 from lmproto import Command, decode_json, decode_key_lines
+from lmserver.memory import OBJECT_OVERHEAD
 
 MiB = 1024 * 1024
 
@@ -42,7 +43,7 @@ def test_capacity_never_exceeded_and_lru_kept(make_server_thread) -> None:
 
 
 def test_exist_does_not_refresh_recency(make_server_thread) -> None:
-    server = make_server_thread(memory_limit=4 * MiB)
+    server = make_server_thread(memory_limit=4 * (MiB + OBJECT_OVERHEAD))  # room for 4 objects
     with Wire(server.host, server.port) as w:
         for i in range(4):
             w.put(f"k{i}", b"x" * (MiB - 4096))

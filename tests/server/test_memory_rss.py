@@ -14,6 +14,7 @@ import psutil
 from wire import Wire
 
 from lmproto import NO_META, Command, decode_json
+from lmserver.memory import OBJECT_OVERHEAD
 
 MiB = 1024 * 1024
 RSS_OVERHEAD = 16 * MiB
@@ -149,7 +150,7 @@ def test_more_small_objects_than_the_os_allows_mappings(spawn_server) -> None:
     the connection with it. Buffers are slots of shared slabs: more objects than that are
     stored, read back, deleted in a scattered half and stored again."""
     count = min(_max_map_count(), 100_000) + 2_000
-    server = spawn_server("--memory-limit", str(count * 4096 + 64 * MiB))
+    server = spawn_server("--memory-limit", str(count * (4096 + OBJECT_OVERHEAD) + 64 * MiB))
     keys = [f"small{i:06}" for i in range(count)]
 
     def body(key: str) -> bytes:
@@ -176,3 +177,23 @@ def test_more_small_objects_than_the_os_allows_mappings(spawn_server) -> None:
     # Slabs double from 1 MiB to 64 MiB (7 of them), then one per 64 MiB: 11 here.
     assert memory["pool_mappings"] <= 7 + count * 4096 // (64 * MiB) + 1
     assert memory["pool_map_failures"] == 0
+
+
+def test_rss_stays_within_the_limit_with_small_objects(spawn_server) -> None:
+    """Each object's metadata (key, index entries, record: ~700 bytes) is charged against
+    --memory-limit with its buffer, so small objects keep RSS within the limit too. Counting
+    only buffers, 4 KiB objects reached ~1.17x the limit."""
+    limit = 256 * MiB
+    server = spawn_server("--memory-limit", str(limit))
+    assert server.proc is not None
+    start_rss = psutil.Process(server.proc.pid).memory_info().rss
+    body = b"s" * 4096
+    with Wire(server.host, server.port) as w, peak_rss(server.proc.pid) as peak:
+        for first in range(0, 2 * limit // 4096, 500):  # twice the limit: constant eviction
+            keys = [f"small{i:07}" for i in range(first, first + 500)]
+            w.send_raw(b"".join(w.frame(Command.PUT_ACK, key, body) for key in keys))
+            assert {w.reply()[0].status for _ in range(500)} == {200}
+        memory = decode_json(w.call(Command.STATS)[1])["tiers"][0]
+    assert memory["evictions"] > 0
+    assert memory["metadata_bytes"] == memory["objects"] * OBJECT_OVERHEAD
+    assert peak[0] - start_rss <= limit + RSS_OVERHEAD

@@ -12,11 +12,13 @@ from hypothesis import strategies as st
 
 from lmproto import NO_META, ObjectMeta
 from lmserver._framed import ReplyBuffer
-from lmserver.memory import Entry, MemoryTier
+from lmserver.memory import OBJECT_OVERHEAD, Entry, MemoryTier
 from lmserver.pool import FIRST_SLAB_BYTES, SLAB_BYTES, BufferPool, populate, size_class
 
 KiB = 1024
 MiB = 1024 * KiB
+SLOT = 4096 + OBJECT_OVERHEAD
+"""What one object of up to 4 KiB costs the tier's capacity: its buffer and its metadata."""
 
 
 def store(tier: MemoryTier, key: str, data: bytes, meta: ObjectMeta = NO_META) -> None:
@@ -65,7 +67,7 @@ def test_idle_buffers_unused_for_an_interval_are_trimmed() -> None:
 
 
 def test_lru_eviction_order_and_recency_rules() -> None:
-    tier = MemoryTier(4 * 4096, shards=4)
+    tier = MemoryTier(4 * SLOT, shards=4)
     for key in "abcd":
         store(tier, key, b"x" * 4096)
     hit = tier.get("a")  # a use: refreshes recency
@@ -92,7 +94,7 @@ def _check_recency_order(tier: MemoryTier) -> list[str]:
 @given(st.lists(st.tuples(st.sampled_from(["put", "get", "exist", "delete"]), st.sampled_from("abcdefg"))))
 def test_eviction_follows_exact_recency_whatever_the_operations(operations: list[tuple[str, str]]) -> None:
     """Against a model: the least recently put or read object is the one evicted."""
-    tier = MemoryTier(4 * 4096, shards=3)
+    tier = MemoryTier(4 * SLOT, shards=3)
     model: list[str] = []  # keys, least recently used first
     for op, key in operations:
         if op == "put":
@@ -121,7 +123,7 @@ def test_eviction_follows_exact_recency_whatever_the_operations(operations: list
 
 
 def test_pinned_objects_are_not_evicted_and_memory_is_freed_on_unpin() -> None:
-    tier = MemoryTier(2 * 4096, shards=2)
+    tier = MemoryTier(2 * SLOT, shards=2)
     store(tier, "old", b"o" * 4096)
     store(tier, "new", b"n" * 4096)
     pinned = tier.get("old")  # a reader still sending it

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from lmproto import ObjectMeta
-from lmserver.memory import MemoryTier, MemoryVictim
+from lmserver.memory import OBJECT_OVERHEAD, MemoryTier, MemoryVictim
 from lmserver.pool import BufferPool
 from lmserver.tiers.base import ConfigError, TierError, Victim
 from lmserver.tiers.disk import HELD_SHARE, DiskTier
@@ -219,7 +219,7 @@ def test_pool_lending_frees_room_within_the_capacity() -> None:
 
 
 def test_memory_eviction_lends_the_victim_to_the_taker() -> None:
-    memory = MemoryTier(64 * KiB, shards=2)
+    memory = MemoryTier(64 * KiB + 3 * OBJECT_OVERHEAD, shards=2)  # 3 objects beside the lent share
     memory.pool.set_lend_limit(16 * KiB)
     taken: list[MemoryVictim] = []
     memory.on_evict = taken.append
