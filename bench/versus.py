@@ -1,4 +1,4 @@
-"""Small requests, lmserver against Redis, interleaved: ``python -m bench.versus``.
+"""EXIST, GET and PUT, lmserver against Redis (or another build), interleaved: ``python -m bench.versus``.
 
 Why this exists: ``python -m bench run`` measures one server after the other, so on a shared
 host a ratio also carries whatever the host's load did between the two blocks (a third, in
@@ -6,11 +6,14 @@ minutes, on the development VM). Here both servers run for the whole session (th
 costs nothing) and each cell is measured in rounds, alternating which server goes first
 (A B, B A, ...), so the two figures of a round are seconds apart. The table gives, per cell,
 the median of the per-round ratios and their range, with each server's median requests/s
-and server CPU per request. Same clients, drivers and keys as ``bench run``.
+and server CPU per request. Same clients and drivers as ``bench run``; each client cycles over
+up to 512 keys, at most 256 MiB of objects per cell (PUT overwrites them: buffers are reused,
+as in an engine's steady state).
 
     python -m bench.versus                                  # EXIST and 4 KiB GET, 1/4/16 clients
     python -m bench.versus --rounds 5 --depths 1,16,1000 --clients 1 --ops exist
     python -m bench.versus --baseline ../before             # against another lmserver build
+    python -m bench.versus --ops put --size 4M --clients 1 --baseline ../before  # PUT, A/B
 
 ``--baseline DIR`` puts another checkout of lmserver in Redis's place: an A/B of a change,
 interleaved the same way. Build it in place first (``git worktree add ../before HEAD~1 && cd
@@ -35,6 +38,10 @@ from .targets import Target, baseline_command, start_lmserver, start_redis_local
 from .worker import CellSpec, ClientPool
 
 KEYS_PER_CLIENT = 512
+KEY_BUDGET = 256 << 20
+"""Bytes of distinct objects per cell at most (fewer keys per client for large objects), so
+that neither server evicts and Redis, which runs without maxmemory, stays small."""
+OPS = ("exist", "get", "put")
 
 
 def measure(
@@ -42,7 +49,9 @@ def measure(
 ) -> dict[str, Any]:
     """One timed cell on ``target`` (keys stored first, untimed): requests/s and CPU/request."""
     assert target.spec is not None
-    spec = CellSpec(target.spec, op, size, depth, KEYS_PER_CLIENT, seconds, 10**9, clients, preload=True)
+    keys = max(1, min(KEYS_PER_CLIENT, KEY_BUDGET // (size * clients)))
+    preload = op != "put"  # what GET and EXIST look up is stored first; PUTs store their own
+    spec = CellSpec(target.spec, op, size, depth, keys, seconds, 10**9, clients, preload=preload)
     cell, problem = measure_cell(pool, target, spec)
     return {
         "ops_per_s": cell["ops_per_s"],
@@ -124,8 +133,8 @@ def format_row(row: dict[str, Any]) -> str:
     return (
         f"| {row['op']} | {report.fmt_size(row['size'])} | {row['clients']} | {row['depth']} "
         f"| {_f(row['ratio_median'], '.2f')} ({_f(row['ratio_min'], '.2f')}-{_f(row['ratio_max'], '.2f')}) "
-        f"| {_f(row['lmserver_ops_per_s'] and row['lmserver_ops_per_s'] / 1e3, '.1f')} "
-        f"| {_f(row['peer_ops_per_s'] and row['peer_ops_per_s'] / 1e3, '.1f')} "
+        f"| {_f(row['lmserver_ops_per_s'] and row['lmserver_ops_per_s'] / 1e3, '.3g')} "
+        f"| {_f(row['peer_ops_per_s'] and row['peer_ops_per_s'] / 1e3, '.3g')} "
         f"| {_f(row['lmserver_cpu_us'], '.2f')} | {_f(row['peer_cpu_us'], '.2f')} |"
         + (f" {row['problems'][0]}" if row["problems"] else "")
     )
@@ -140,8 +149,8 @@ def header(peer: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ops", default="exist,get", help="comma list of exist, get")
-    parser.add_argument("--size", default="4K", help="object size for GET (default 4K)")
+    parser.add_argument("--ops", default="exist,get", help="comma list of exist, get, put")
+    parser.add_argument("--size", default="4K", help="object size for GET and PUT (default 4K)")
     parser.add_argument("--clients", default="1,4,16")
     parser.add_argument("--depths", default="1,16", help="pipeline depths (1 = one at a time)")
     parser.add_argument("--rounds", type=int, default=3)
@@ -154,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / f"versus-{stamp}")
     args = parser.parse_args(argv)
+    unknown = set(args.ops.split(",")) - set(OPS)
+    if unknown:
+        parser.error(f"--ops: unknown {', '.join(sorted(unknown))} (choose from {', '.join(OPS)})")
     print(header("Redis" if args.baseline is None else "baseline"), flush=True)
     rows = run(args)
     (args.out / "versus.json").write_text(

@@ -47,7 +47,7 @@ def test_versus_compares_with_another_checkout(tmp_path: Path) -> None:
     """``--baseline``: another lmserver checkout in Redis's place (here this one: its own
     modules, not the current directory's, are the ones it runs)."""
     out = tmp_path / "ab"
-    args = ["--ops", "get", "--clients", "1", "--depths", "1,4", "--rounds", "2", "--duration", "0.05"]
+    args = ["--ops", "get,put", "--clients", "1", "--depths", "1,4", "--rounds", "2", "--duration", "0.05"]
     proc = subprocess.run(
         [sys.executable, "-m", "bench.versus", *args, "--baseline", str(REPO), "--out", str(out)],
         cwd=tmp_path,  # not the checkout: what the baseline imports comes from --baseline alone
@@ -58,7 +58,7 @@ def test_versus_compares_with_another_checkout(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads((out / "versus.json").read_text())["rows"]
-    assert [(r["op"], r["depth"]) for r in rows] == [("get", 1), ("get", 4)]
+    assert [(r["op"], r["depth"]) for r in rows] == [("get", 1), ("get", 4), ("put", 1), ("put", 4)]
     for r in rows:
         assert not r["problems"], r["problems"]
         assert r["peer"] == "baseline" and len(r["rounds"]["baseline"]) == 2
@@ -76,3 +76,15 @@ def test_versus_refuses_a_baseline_that_is_not_a_checkout(tmp_path: Path) -> Non
         timeout=120,
     )
     assert proc.returncode != 0 and "not an lmserver checkout" in proc.stderr
+
+
+def test_versus_refuses_an_unknown_op(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.versus", "--ops", "get,delete", "--out", str(tmp_path / "x")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "unknown delete" in proc.stderr
+    assert not (tmp_path / "x").exists()  # refused before any server started
