@@ -282,17 +282,16 @@ class BufferPool:
         ``lent``); it must no longer be referenced by anyone."""
         cls = len(buf)
         with self._lock:
-            if not lent:
-                self._overhead -= self.object_overhead
-            if not lent and charged is not None and charged < cls:
-                self._in_use -= charged  # partially filled: not worth keeping, dropped
-                self._drop(buf)
-                return
-            # Its bytes were counted against capacity when acquired: keeping it idle fits.
             if lent:
-                self._lent -= cls
+                self._lent -= cls  # its overhead went when it was lent
             else:
+                self._overhead -= self.object_overhead
+                if charged is not None and charged < cls:
+                    self._in_use -= charged  # partially filled: not worth keeping, dropped
+                    self._drop(buf)
+                    return
                 self._in_use -= cls
+            # Its bytes were counted against capacity when acquired: keeping it idle fits.
             self._free.setdefault(cls, []).append(buf)
             self._idle += cls
 

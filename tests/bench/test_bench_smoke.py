@@ -158,16 +158,15 @@ def test_given_lm_url_v1(tmp_path: Path) -> None:
         server.wait(15)
 
 
+def module_output(module: str, *args: str) -> str:
+    """What ``python -m module args`` prints, run from the checkout; it must succeed."""
+    run = [sys.executable, "-m", module, *args]
+    return subprocess.run(run, cwd=REPO, capture_output=True, text=True, timeout=120, check=True).stdout
+
+
 def test_hotpath_reports_every_row() -> None:
     """``python -m bench.hotpath`` drives the real protocol object and prints its table."""
-    out = subprocess.run(
-        [sys.executable, "-m", "bench.hotpath", "--requests", "64"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    ).stdout
+    out = module_output("bench.hotpath", "--requests", "64")
     rows = [line for line in out.splitlines() if line.startswith("| ") and "µs" not in line]
     names = [row.split("|")[1].strip() for row in rows]
     assert names.count("exist") == 2 and names.count("get copy") == 5 and names.count("get pin") == 5
@@ -253,14 +252,7 @@ def test_instructions_counts_a_baseline_checkout_and_tables_it(
 def test_object_overhead_prints_a_row_per_key_length() -> None:
     """``python -m bench.object_overhead`` stores objects on a real server and prints, per key
     length, its RSS growth per object (the figure itself is not checked: it is RSS)."""
-    out = subprocess.run(
-        [sys.executable, "-m", "bench.object_overhead", "--objects", "2000", "--key-lengths", "8,150"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    ).stdout
+    out = module_output("bench.object_overhead", "--objects", "2000", "--key-lengths", "8,150")
     rows = [line.split("|")[1:3] for line in out.splitlines() if line.startswith("| ") and "key" not in line]
     assert [int(length) for length, _ in rows] == [8, 150]
     for _, value in rows:
