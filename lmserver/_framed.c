@@ -60,6 +60,43 @@ send_nowait(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromSsize_t(sent);
 }
 
+/* One recv(2) into a writable buffer, the GIL held (the socket is non-blocking): the bytes
+ * read, 0 at the peer's end of stream, -1 if nothing is there yet; OSError otherwise. */
+static PyObject *
+recv_nowait(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "recv_nowait(fd, buffer)");
+        return NULL;
+    }
+    int fd = fd_of(args[0]);
+    if (fd < 0) {
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[1], &view, PyBUF_WRITABLE) < 0) {
+        return NULL;
+    }
+    if (view.len == 0) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "recv_nowait into an empty buffer");
+        return NULL;
+    }
+    ssize_t got;
+    do {
+        got = recv(fd, view.buf, (size_t)view.len, MSG_DONTWAIT);
+    } while (got < 0 && errno == EINTR);
+    PyBuffer_Release(&view);
+    if (got < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK) {
+            return PyLong_FromLong(-1);
+        }
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyLong_FromSsize_t(got);
+}
+
 /* ReplyBuffer: the small replies of one turn, copied one after another into one growing
  * buffer of its own. Its memory is an anonymous mapping, as the staging buffers' (see
  * connection.py): taken at the first reply, grown with mremap, and given back to the OS by
@@ -273,6 +310,9 @@ static PyType_Spec buffer_spec = {
 static PyMethodDef methods[] = {
     {"send_nowait", (PyCFunction)(void (*)(void))send_nowait, METH_FASTCALL,
      "send_nowait(fd, data) -> bytes sent with one send(2), 0 if none: see lmserver/_framed.py."},
+    {"recv_nowait", (PyCFunction)(void (*)(void))recv_nowait, METH_FASTCALL,
+     "recv_nowait(fd, buffer) -> bytes read with one recv(2), 0 at EOF, -1 if none yet: see "
+     "lmserver/_framed.py."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -296,7 +336,7 @@ static PyModuleDef_Slot slots[] = {
 static struct PyModuleDef framed_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "lmserver._framed",
-    .m_doc = "send_nowait and ReplyBuffer compiled: the C twins of lmserver/_framed.py.",
+    .m_doc = "send_nowait, recv_nowait and ReplyBuffer compiled: the C twins of lmserver/_framed.py.",
     .m_size = 0,
     .m_methods = methods,
     .m_slots = slots,

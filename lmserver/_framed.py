@@ -1,4 +1,5 @@
-"""``send_nowait``: a reply written straight to the connection's socket; ``ReplyBuffer``: the
+"""``send_nowait``: a reply written straight to the connection's socket; ``recv_nowait``: a
+read from it, for the plain transport; ``ReplyBuffer``: the
 small replies of one turn, copied one behind the other into one buffer and sent with one call.
 
 Strategy: two twins with one behaviour, as lmproto/_lookup.py. ``_framed.c`` is what a build
@@ -47,6 +48,28 @@ def send_nowait(fd: int, data: Buffer) -> int:
         return os.write(fd, view)
     except OSError:
         return 0
+
+
+def recv_nowait(fd: int, buffer: Buffer) -> int:
+    """Read what the non-blocking socket ``fd`` holds into ``buffer`` (writable, not empty)
+    with one ``recv(2)``: the number of bytes read, 0 at the peer's end of stream, -1 if there
+    is nothing to read yet. OSError for any other failure (a reset connection, a closed
+    ``fd``); ValueError for an empty buffer or an ``fd`` out of range, TypeError as
+    ``send_nowait``, BufferError for a read-only buffer. The plain transport's read
+    (plain.py): one call per readable event."""
+    if not isinstance(fd, int):
+        raise TypeError(f"fd must be an int, not {type(fd).__name__}")
+    if not 0 <= fd <= _FD_MAX:
+        raise ValueError(f"fd must be in 0..{_FD_MAX}, not {fd}")
+    view = memoryview(buffer)
+    if view.readonly:
+        raise BufferError("recv_nowait needs a writable buffer")
+    if not view.nbytes:
+        raise ValueError("recv_nowait into an empty buffer")
+    try:
+        return os.readv(fd, [view])
+    except BlockingIOError:
+        return -1
 
 
 class ReplyBuffer:

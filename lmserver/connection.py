@@ -365,7 +365,10 @@ class LMProtocol(asyncio.BufferedProtocol):
             self.sock = sock
         high = write_buffer_high_water(transport)  # 0, or 1 on TLS: see tls.py
         self.transport.set_write_buffer_limits(high=high, low=0)  # type: ignore[union-attr]
-        self.copying_transport = not type(transport).__module__.startswith("uvloop")
+        # Transports that keep a reference to what they cannot send yet (ours, uvloop's) rather
+        # than copying it (the stdlib's TLS transport): see _flush.
+        module = type(transport).__module__
+        self.copying_transport = not (module == "lmserver.plain" or module.startswith("uvloop"))
         self.write = self.transport.write  # type: ignore[union-attr]
         if sock is not None and transport.get_extra_info("ssl_object") is None:
             self.fd = sock.fileno()

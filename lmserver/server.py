@@ -22,6 +22,7 @@ from .config import ServerConfig
 from .connection import LMProtocol, sweep
 from .logs import configure_logging
 from .memory import MemoryTier
+from .plain import PlainListener, create_plain_server
 from .sizes import format_size
 from .state import ServerState
 from .stats import log_periodically, native_modules, trim_idle_memory
@@ -63,8 +64,8 @@ class Server:
             memory_wait=config.put_wait_timeout,
         )
         self.state = ServerState(config=config, store=store, access=AccessList(config.allow))
-        self._server: asyncio.Server | None = None  # the plain listener
-        self._listeners: list[asyncio.Server] = []  # the plain and the TLS one
+        self._server: PlainListener | None = None  # the plain listener (plain.py)
+        self._listeners: list[asyncio.Server | PlainListener] = []  # the plain and the TLS one
         self._metrics: MetricsServer | None = None
         self._stop = asyncio.Event()
         self._background: list[asyncio.Task[None]] = []
@@ -78,12 +79,8 @@ class Server:
         await self.state.store.open()
         loop = asyncio.get_running_loop()
         if self.config.plain:
-            self._server = await loop.create_server(
-                lambda: LMProtocol(self.state),
-                self.config.host,
-                self.config.port,
-                backlog=1024,
-                reuse_address=True,
+            self._server = await create_plain_server(
+                lambda: LMProtocol(self.state), self.config.host, self.config.port, backlog=1024
             )
             self._listeners.append(self._server)
             sockname = self._server.sockets[0].getsockname()

@@ -13,8 +13,10 @@ import contextlib
 import importlib.util
 import mmap
 import socket
+import struct
 import sys
 import threading
+import time
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -542,3 +544,69 @@ def test_send_nowait_twins_agree_on_bad_arguments(socket_pair: tuple[socket.sock
         (fd, b"x", 0),
     ]:
         assert _answer(_framed.send_nowait, *args) == _answer(framed_reference.send_nowait, *args), args
+
+
+RECEIVERS = pytest.mark.parametrize(
+    "recv_nowait", [_framed.recv_nowait, framed_reference.recv_nowait], ids=["installed", "twin"]
+)
+
+
+@RECEIVERS
+def test_recv_nowait_reads_what_is_there_says_when_nothing_is_and_sees_the_end(
+    recv_nowait: Callable[[int, Any], int], socket_pair: tuple[socket.socket, socket.socket]
+) -> None:
+    ours, peer = socket_pair
+    into = bytearray(8)
+    assert recv_nowait(ours.fileno(), into) == -1  # nothing yet, and no waiting
+    peer.sendall(b"hello, world")
+    assert recv_nowait(ours.fileno(), memoryview(into)[2:]) == 6 and into[2:] == b"hello,"
+    assert recv_nowait(ours.fileno(), into) == 6 and into[:6] == b" world"
+    numbers = array.array("i", [0, 0])  # any writable buffer, in bytes
+    peer.sendall(bytes(range(8)))
+    assert recv_nowait(ours.fileno(), numbers) == 8 and numbers.tobytes() == bytes(range(8))
+    peer.shutdown(socket.SHUT_WR)
+    assert recv_nowait(ours.fileno(), into) == 0  # the end of the stream
+    assert recv_nowait(ours.fileno(), into) == 0
+
+
+@RECEIVERS
+def test_recv_nowait_raises_for_a_reset_connection_and_a_closed_descriptor(
+    recv_nowait: Callable[[int, Any], int],
+) -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    with listener, socket.create_connection(listener.getsockname()) as client:
+        accepted, _ = listener.accept()
+        with accepted:
+            accepted.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            accepted.close()  # linger 0: the client gets RST
+            client.setblocking(False)
+            with pytest.raises(ConnectionResetError):
+                deadline = time.monotonic() + 10
+                while recv_nowait(client.fileno(), bytearray(4)) == -1 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+    closed = socket.socket()
+    fd = closed.fileno()
+    closed.close()
+    with pytest.raises(OSError):
+        recv_nowait(fd, bytearray(4))
+
+
+def test_recv_nowait_twins_agree_on_bad_arguments(socket_pair: tuple[socket.socket, socket.socket]) -> None:
+    fd = socket_pair[0].fileno()
+    for args in [
+        ("3", bytearray(1)),
+        (None, bytearray(1)),
+        (1.0, bytearray(1)),
+        (-1, bytearray(1)),
+        (2**31, bytearray(1)),
+        (2**70, bytearray(1)),
+        (fd, bytearray()),
+        (fd, "text"),
+        (fd, None),
+        (fd,),
+        (fd, bytearray(1), 0),
+    ]:
+        assert _answer(_framed.recv_nowait, *args) == _answer(framed_reference.recv_nowait, *args), args
+    for receive in (_framed.recv_nowait, framed_reference.recv_nowait):
+        with pytest.raises(BufferError):
+            receive(fd, b"read-only")

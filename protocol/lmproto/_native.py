@@ -35,6 +35,7 @@ COMPILED_MODULES = (
     "lmserver._shard",
     "lmserver.connection",
     "lmserver.memory",
+    "lmserver.plain",
     "lmserver.store",
 )
 """The modules a build compiles: the hot path (header decoders, the parse/dispatch loop, and
