@@ -14,12 +14,15 @@ as in an engine's steady state).
     python -m bench.versus --rounds 5 --depths 1,16,1000 --clients 1 --ops exist
     python -m bench.versus --baseline ../before             # against another lmserver build
     python -m bench.versus --ops put --size 4M --clients 1 --baseline ../before  # PUT, A/B
+    python -m bench.versus --ops put,get --size 4M --clients 1 --depths 1 --peer store  # #15 goal 2
 
-``--baseline DIR`` puts another checkout of lmserver in Redis's place: an A/B of a change,
-interleaved the same way. Build it in place first (``git worktree add ../before HEAD~1 && cd
-../before && python setup.py build_ext --inplace``, with this virtual environment active); it
-runs with this interpreter and packages, its own ``lmserver`` and ``lmproto`` first on the path
-(``python -P``: not the current directory's).
+``--peer store`` (or ``raw``) puts a limit in Redis's place: a raw peer that stores nothing
+(bench/rawserver.py), measured in the same interleaved rounds, so a ratio to it does not carry
+the host's drift between two blocks of ``bench run``. ``--baseline DIR`` puts another checkout
+of lmserver there: an A/B of a change, interleaved the same way. Build it in place first (``git
+worktree add ../before HEAD~1 && cd ../before && python setup.py build_ext --inplace``, with
+this virtual environment active); it runs with this interpreter and packages, its own
+``lmserver`` and ``lmproto`` first on the path (``python -P``: not the current directory's).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from typing import Any
 
 from . import report
 from .cli import measure_cell
-from .targets import Target, baseline_command, start_lmserver, start_redis_local
+from .targets import Target, baseline_command, start_lmserver, start_raw, start_redis_local
 from .worker import CellSpec, ClientPool
 
 KEYS_PER_CLIENT = 512
@@ -42,6 +45,11 @@ KEY_BUDGET = 256 << 20
 """Bytes of distinct objects per cell at most (fewer keys per client for large objects), so
 that neither server evicts and Redis, which runs without maxmemory, stays small."""
 OPS = ("exist", "get", "put")
+PEERS = {"redis": "Redis", "store": "store limit", "raw": "raw limit"}
+"""``--peer`` choices and their names in the table. The two limits are bench/rawserver.py: the
+store limit receives each PUT into, and sends each GET from, the next of a ring of buffers of
+KEY_BUDGET bytes in all (cold in the CPU caches, as a store's objects are); the raw limit uses
+one warm buffer per connection, faster than any store can be."""
 
 
 def measure(
@@ -67,10 +75,15 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     out.mkdir(parents=True, exist_ok=True)
     clients = [int(c) for c in args.clients.split(",")]
     pool = ClientPool(clients)
-    servers = [
-        start_lmserver("lmserver", out, None, [], "1GiB"),
-        start_redis_local(out) if baseline is None else start_lmserver("baseline", out, baseline, [], "1GiB"),
-    ]
+    servers = [start_lmserver("lmserver", out, None, [], "1GiB")]
+    if baseline is not None:
+        servers.append(start_lmserver("baseline", out, baseline, [], "1GiB"))
+    elif args.peer == "store":
+        servers.append(start_raw("store", KEY_BUDGET))
+    elif args.peer == "raw":
+        servers.append(start_raw("raw"))
+    else:
+        servers.append(start_redis_local(out))
     rows: list[dict[str, Any]] = []
     try:
         for s in servers:
@@ -156,9 +169,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--duration", type=float, default=1.0, help="seconds per measurement")
     parser.add_argument(
+        "--peer",
+        choices=PEERS,
+        default="redis",
+        help="what to compare with: Redis; the store limit (a raw receiver/sender cycling through "
+        "cold buffers, issue #15's PUT and GET goal); the raw loopback limit (one warm buffer)",
+    )
+    parser.add_argument(
         "--baseline",
         type=Path,
-        help="another lmserver checkout (built in place) to compare with, instead of Redis",
+        help="another lmserver checkout (built in place) to compare with, instead of --peer",
     )
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / f"versus-{stamp}")
@@ -166,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(args.ops.split(",")) - set(OPS)
     if unknown:
         parser.error(f"--ops: unknown {', '.join(sorted(unknown))} (choose from {', '.join(OPS)})")
-    print(header("Redis" if args.baseline is None else "baseline"), flush=True)
+    if args.baseline is not None and args.peer != "redis":
+        parser.error("--baseline replaces --peer: give one of them")
+    print(header("baseline" if args.baseline is not None else PEERS[args.peer]), flush=True)
     rows = run(args)
     (args.out / "versus.json").write_text(
         json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1)

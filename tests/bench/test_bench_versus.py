@@ -9,10 +9,25 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def versus(
+    *args: str, cwd: Path = REPO, timeout: float = 300, **kwargs: Any
+) -> subprocess.CompletedProcess[str]:
+    """``python -m bench.versus`` with these arguments, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "bench.versus", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kwargs,
+    )
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
@@ -20,13 +35,7 @@ def test_versus_measures_every_cell_in_alternating_rounds(tmp_path: Path) -> Non
     out = tmp_path / "vs"
     args = ["--ops", "exist,get", "--clients", "1,2", "--depths", "1,4"]
     args += ["--rounds", "2", "--duration", "0.05"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.versus", *args, "--out", str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = versus(*args, "--out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads((out / "versus.json").read_text())["rows"]
     assert [(r["op"], r["clients"], r["depth"]) for r in rows] == [
@@ -48,13 +57,14 @@ def test_versus_compares_with_another_checkout(tmp_path: Path) -> None:
     modules, not the current directory's, are the ones it runs)."""
     out = tmp_path / "ab"
     args = ["--ops", "get,put", "--clients", "1", "--depths", "1,4", "--rounds", "2", "--duration", "0.05"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.versus", *args, "--baseline", str(REPO), "--out", str(out)],
+    proc = versus(
+        *args,
+        "--baseline",
+        str(REPO),
+        "--out",
+        str(out),
         cwd=tmp_path,  # not the checkout: what the baseline imports comes from --baseline alone
         env={**os.environ, "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads((out / "versus.json").read_text())["rows"]
@@ -68,23 +78,35 @@ def test_versus_compares_with_another_checkout(tmp_path: Path) -> None:
 
 
 def test_versus_refuses_a_baseline_that_is_not_a_checkout(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.versus", "--baseline", str(tmp_path), "--out", str(tmp_path / "o")],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = versus("--baseline", str(tmp_path), "--out", str(tmp_path / "o"), timeout=120)
     assert proc.returncode != 0 and "not an lmserver checkout" in proc.stderr
 
 
 def test_versus_refuses_an_unknown_op(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.versus", "--ops", "get,delete", "--out", str(tmp_path / "x")],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = versus("--ops", "get,delete", "--out", str(tmp_path / "x"), timeout=60)
     assert proc.returncode == 2 and "unknown delete" in proc.stderr
     assert not (tmp_path / "x").exists()  # refused before any server started
+
+
+def test_versus_compares_with_the_store_limit(tmp_path: Path) -> None:
+    """``--peer store``: the raw receiver/sender that cycles through cold buffers, interleaved
+    like Redis (issue #15's PUT and GET goal is a ratio to it)."""
+    out = tmp_path / "store"
+    args = ["--ops", "put,get", "--size", "64K", "--clients", "1", "--depths", "1", "--rounds", "2"]
+    args += ["--duration", "0.05", "--peer", "store", "--out", str(out)]
+    proc = versus(*args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads((out / "versus.json").read_text())["rows"]
+    assert [r["op"] for r in rows] == ["put", "get"]
+    for r in rows:
+        assert not r["problems"], r["problems"]
+        assert r["peer"] == "store" and len(r["rounds"]["store"]) == 2
+        assert r["ratio_median"] is not None and r["peer_cpu_us"] is not None
+    assert "x store limit" in proc.stdout
+
+
+def test_versus_refuses_a_peer_and_a_baseline_together(tmp_path: Path) -> None:
+    args = ["--peer", "raw", "--baseline", str(REPO), "--out", str(tmp_path)]
+    proc = versus(*args, timeout=120)
+    assert proc.returncode == 2 and "--baseline replaces --peer" in proc.stderr
+    assert not (tmp_path / "versus.json").exists()
