@@ -12,6 +12,7 @@ import contextlib
 import errno
 import importlib.util
 import socket
+import struct
 from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -50,10 +51,13 @@ class Recorder(asyncio.BufferedProtocol):
         self.lost = asyncio.get_running_loop().create_future()
         self.on_data: Callable[[Recorder], None] | None = None
         self.keep_open_on_eof = False
+        self.refuse_connection = False  # connection_made raises
 
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
         self.calls.append("made")
+        if self.refuse_connection:
+            raise ValueError("a bug in connection_made")
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return memoryview(self.buffer)
@@ -319,3 +323,73 @@ def test_the_server_serves_plain_connections_on_its_own_transport(
         (connection,) = thread.server.state.connections
         assert type(connection.transport).__module__ == "lmserver.plain"
         assert type(connection.transport).__name__ == "PlainTransport"
+
+
+@LOOPS
+@pytest.mark.parametrize("where", ["connection_made", "get_buffer"])
+def test_a_protocol_failing_before_it_reads_is_reported_and_closed(loop_factory: Loop, where: str) -> None:
+    """connection_made raising, or get_buffer giving an empty buffer: reported, the
+    connection closed (connection_lost once), the listener still serving."""
+
+    def break_it(protocol: Recorder) -> None:
+        if where == "connection_made":
+            protocol.refuse_connection = True
+        else:
+            protocol.buffer = bytearray()
+
+    async def main() -> None:
+        reports: list[dict[str, Any]] = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: reports.append(context))
+        listener, protocols, port = await serve(break_it)
+        async with connect(port) as (reader, writer):
+            writer.write(b"anything")
+            protocol = await first(protocols)
+            assert isinstance(await protocol.lost, ValueError)
+            assert [r["message"] for r in reports] == [f"Fatal error on transport ({where})"]
+            with contextlib.suppress(ConnectionResetError):  # closed with "anything" unread: RST
+                assert await reader.read() == b""
+        listener.close()
+
+    run(loop_factory, main())
+
+
+@LOOPS
+def test_a_peer_that_resets_while_replies_are_queued_loses_them_quietly(loop_factory: Loop) -> None:
+    """A send error (the peer reset the connection) closes the transport with that error as
+    connection_lost's argument, and reports nothing: a peer going away is not a bug."""
+
+    def flood(protocol: Recorder) -> None:
+        protocol.transport.write(bytes(32 * 1024 * 1024))
+
+    async def main() -> None:
+        reports: list[dict[str, Any]] = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: reports.append(context))
+        listener, protocols, port = await serve(lambda p: setattr(p, "on_data", flood))
+        raw = socket.create_connection(("127.0.0.1", port))
+        raw.sendall(b"go")
+        protocol = await first(protocols)
+        await until(lambda: protocol.transport.get_write_buffer_size() > 0)
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        raw.close()  # unread data and linger 0: RST
+        assert isinstance(await protocol.lost, OSError)
+        assert protocol.transport.get_write_buffer_size() == 0
+        assert reports == []
+        listener.close()
+
+    run(loop_factory, main())
+
+
+def test_listening_on_a_name_binds_every_address_it_resolves_to() -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo("localhost", 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        try:
+            listener = await plain.create_plain_server(Recorder, "localhost", 0, backlog=4)
+        except OSError:
+            pytest.skip("localhost resolves to an address this host cannot bind")
+        families = sorted(s.family for s in listener.sockets)
+        assert families == sorted({info[0] for info in infos})
+        listener.close()
+        assert listener.sockets == []
+
+    run(uvloop.new_event_loop, main())
