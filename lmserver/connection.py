@@ -126,6 +126,7 @@ MAX_ACKS_IN_FLIGHT: Final = 1024
 """PUT_ACKs of one connection that may wait for the disk at once before it stops reading."""
 
 _EMPTY: Final = memoryview(b"")
+_EMPTY_REPLY_BUFFER: Final = ReplyBuffer().__sizeof__()  # the object alone, no capacity
 _LIST_BATCH: Final = 1024  # keys encoded at once into a LIST reply
 _NO_STAGING: Final = bytearray()  # what a connection holds while it has no staging buffer
 _free_staging: list[mmap.mmap] = []  # shared by every connection (list ops are atomic)
@@ -1085,6 +1086,12 @@ class LMProtocol(asyncio.BufferedProtocol):
 
     def _may_send_directly(self) -> bool:
         return self.fd >= 0 and not self.write_paused and not self.is_closing()
+
+    def buffer_bytes(self) -> int:
+        """Memory this connection holds outside ``--memory-limit``: its staging buffer and its
+        reply buffer's capacity (both given back when it goes quiet)."""
+        staging = len(self.staging) if self.staging else 0
+        return staging + self.reply_buffer.__sizeof__() - _EMPTY_REPLY_BUFFER
 
     def add_counts(self) -> None:
         """Add what this connection counted in plain ints to the server's counters and to

@@ -220,6 +220,11 @@ def _connections(doc: dict[str, Any]) -> Iterator[Metric]:
     counters: dict[str, int] = doc["counters"]
     yield GaugeMetricFamily("lmserver_connections", "Connections open now.", connections["current"])
     yield CounterMetricFamily("lmserver_connections_accepted", "Connections accepted.", connections["total"])
+    yield GaugeMetricFamily(
+        "lmserver_connection_buffer_bytes",
+        "Bytes of staging and reply buffers connections hold now (outside the memory limit).",
+        connections["buffer_bytes"],
+    )
     refused = CounterMetricFamily(
         "lmserver_connections_refused", "Connections closed at accept, by reason.", labels=["reason"]
     )

@@ -29,6 +29,8 @@ def server_stats(state: ServerState) -> dict[str, Any]:
             "total": counters.get("connections_accepted", 0),
             "refused": counters.get("connections_refused", 0),
             "max": state.config.max_connections,
+            # Staging and reply buffers, outside --memory-limit (README "Limits and timeouts").
+            "buffer_bytes": sum(c.buffer_bytes() for c in list(state.connections)),
         },
         "tiers": [{"name": name, **usage} for name, usage in tiers.items()],
         "hits": counters.get("gets_served", 0),

@@ -70,6 +70,7 @@ def test_counts_after_a_known_workload(make_server_thread: Callable[..., ServerT
     assert value(samples, "lmserver_tier_hits_total", tier="memory") == 2
     assert value(samples, "lmserver_connections") == 1
     assert value(samples, "lmserver_connections_accepted_total") == 1
+    assert value(samples, "lmserver_connection_buffer_bytes") >= 65536  # this connection's staging
     assert value(samples, "lmserver_connections_refused_total", reason="other") == 0
     assert value(samples, "lmserver_config", option="max_object_size") == 1000
     # Latency: every request of a command is in its histogram; inline ones in the lowest bucket.

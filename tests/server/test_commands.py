@@ -23,7 +23,7 @@ from lmproto import (
     encode_request,
 )
 from lmserver.config import ServerConfig
-from lmserver.connection import LMProtocol
+from lmserver.connection import STAGING_SIZE, LMProtocol
 from lmserver.server import Server
 
 GENERATIONS = [Generation.V0, Generation.V1]
@@ -97,6 +97,26 @@ def test_exist_many_answers_each_key_in_order(wire: Wire) -> None:
     reply, body = wire.call(Command.EXIST_MANY, "", encode_key_list(["c0", "c1", "c2", "c3"]))
     assert reply.status == 200
     assert decode_presence(body) == [True, True, False, True]
+
+
+def test_stats_reports_the_buffers_connections_hold(server_thread) -> None:
+    """``connections.buffer_bytes``: staging and reply buffers, outside --memory-limit; a
+    connection that closes takes its share with it."""
+    with Wire(server_thread.host, server_thread.port) as asking:
+        asking.put("b", bytes(4096))
+        with Wire(server_thread.host, server_thread.port) as busy:
+            assert busy.get("b") == bytes(4096)
+            _, body = asking.call(Command.STATS)
+            both = decode_json(body)["connections"]["buffer_bytes"]
+            assert both >= 2 * STAGING_SIZE  # two staging buffers (and what reply buffers keep)
+        deadline = time.monotonic() + 30
+        while True:
+            _, body = asking.call(Command.STATS)
+            alone = decode_json(body)["connections"]["buffer_bytes"]
+            if alone <= both - STAGING_SIZE or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)  # the connection closes on the server's loop, soon after ours
+        assert STAGING_SIZE <= alone <= both - STAGING_SIZE
 
 
 def test_stats_is_json_with_counters(wire: Wire) -> None:
