@@ -293,7 +293,7 @@ class PlainTransport:
     # -- closing ------------------------------------------------------------------------------
 
     def _fatal(self, exc: BaseException, where: str) -> None:
-        if isinstance(exc, OSError) and not isinstance(exc, ValueError):
+        if isinstance(exc, OSError):
             log.debug("connection error", where=where, error=repr(exc), peer=self._extra["peername"])
         else:
             self._loop.call_exception_handler(
@@ -393,13 +393,19 @@ class PlainListener:
                 continue  # the peer gave up while queued
             except OSError as exc:
                 if exc.errno not in _OUT_OF_RESOURCES:
-                    raise
+                    log.warning("accept failed", error=repr(exc))  # as asyncio: logged, go on
+                    return
                 log.error("accept failed, pausing", error=repr(exc), retry_s=ACCEPT_RETRY_S)
                 self._pause_accepting()
                 self._loop.call_later(ACCEPT_RETRY_S, self._resume_accepting)
                 return
-            conn.setblocking(False)
-            transport = PlainTransport(self._loop, conn, peername, self._factory(), self)
+            try:
+                conn.setblocking(False)
+                transport = PlainTransport(self._loop, conn, peername, self._factory(), self)
+            except Exception as exc:  # the connection reset already (getsockname), or a bug
+                log.warning("accepted connection dropped", error=repr(exc), peer=peername)
+                conn.close()
+                continue
             self._transports.add(transport)
             transport.start()
             if self._closed:

@@ -269,11 +269,14 @@ def test_a_failing_protocol_is_reported_and_closes_only_its_connection(loop_fact
 
 
 @LOOPS
-def test_accepting_pauses_when_out_of_descriptors_and_resumes(
-    loop_factory: Loop, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("error", [errno.EMFILE, errno.EPERM], ids=["out-of-descriptors", "other"])
+def test_accepting_goes_on_after_a_failed_accept(
+    loop_factory: Loop, error: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Out of descriptors (or memory), accepting pauses ACCEPT_RETRY_S and resumes; another
+    error is logged and the next connection accepted."""
     monkeypatch.setattr(plain, "ACCEPT_RETRY_S", 0.05)
-    failures = [OSError(errno.EMFILE, "Too many open files")]
+    failures = [OSError(error, "refused by the test")]
 
     class Refusing(socket.socket):
         def accept(self) -> Any:
@@ -295,7 +298,7 @@ def test_accepting_pauses_when_out_of_descriptors_and_resumes(
         listener.start()
         async with connect(sock.getsockname()[1]):
             await first(protocols)
-            assert not failures  # it failed once, paused, and accepted after the retry
+            assert not failures  # it failed once, and accepted the connection after that
         await protocols[0].lost
         listener.close()
 
