@@ -225,13 +225,15 @@ class PlainTransport:
             if size:
                 self._unsent.append(piece)
                 self._unsent_bytes += size
-        if not self._unsent or self._writer:
+        if not self._unsent:
             return
-        self._send_unsent()
-        if self._unsent and not self._lost:
+        if not self._writer:  # else the socket is full: the writer sends it in turn
+            self._send_unsent()
+            if not self._unsent or self._lost:
+                return
             self._writer = True
             self._loop.add_writer(self._fd, self._on_writable)
-            self._maybe_pause_protocol()
+        self._maybe_pause_protocol()
 
     def _send_unsent(self) -> None:
         """Send what the socket takes now, oldest first."""

@@ -396,3 +396,31 @@ def test_listening_on_a_name_binds_every_address_it_resolves_to() -> None:
         assert listener.sockets == []
 
     run(uvloop.new_event_loop, main())
+
+
+@LOOPS
+def test_writes_queued_behind_a_full_socket_pause_the_protocol_past_the_high_mark(loop_factory: Loop) -> None:
+    """Past the high-water mark the protocol is paused even when the bytes that cross it are
+    queued behind others (the socket already full), and resumed at the low mark."""
+
+    def reply(protocol: Recorder) -> None:
+        transport = protocol.transport
+        transport.set_write_buffer_limits(high=48 * 1024 * 1024)
+        transport.write(bytes(32 * 1024 * 1024))  # fills the socket: the rest is queued
+        assert protocol.calls == ["made"]  # below the high mark
+        transport.write(bytes(32 * 1024 * 1024))  # queued behind: now past it
+        assert protocol.calls == ["made", "pause"]
+
+    async def main() -> None:
+        listener, protocols, port = await serve(lambda p: setattr(p, "on_data", reply))
+        async with connect(port) as (reader, writer):
+            writer.write(b"go")
+            protocol = await first(protocols)
+            await until(lambda: "pause" in protocol.calls)
+            assert len(await reader.readexactly(64 * 1024 * 1024)) == 64 * 1024 * 1024
+            await until(lambda: "resume" in protocol.calls)
+            assert protocol.transport.get_write_buffer_size() == 0
+        await protocol.lost
+        listener.close()
+
+    run(loop_factory, main())
