@@ -65,13 +65,11 @@ class PlainTransport:
         sock: socket.socket,
         peername: Any,
         protocol: LMProtocol,
-        listener: PlainListener,
     ) -> None:
         self._loop = loop
         self._sock = sock
         self._fd = sock.fileno()
         self._protocol = protocol
-        self._listener = listener
         self._extra: dict[str, Any] = {"socket": sock, "peername": peername, "sockname": sock.getsockname()}
         self._unsent: deque[bytes | memoryview] = deque()
         self._unsent_bytes = 0
@@ -330,7 +328,6 @@ class PlainTransport:
             self._protocol.connection_lost(exc)
         finally:
             self._sock.close()
-            self._listener.forget(self)
 
 
 class PlainListener:
@@ -348,7 +345,6 @@ class PlainListener:
         self.sockets = list(sockets)
         self._factory = protocol_factory
         self._backlog = backlog
-        self._transports: set[PlainTransport] = set()
         self._accepting = False
         self._closed = False
 
@@ -369,9 +365,6 @@ class PlainListener:
 
     async def wait_closed(self) -> None:
         return None
-
-    def forget(self, transport: PlainTransport) -> None:
-        self._transports.discard(transport)
 
     def _resume_accepting(self) -> None:
         if not self._closed and not self._accepting:
@@ -403,12 +396,11 @@ class PlainListener:
                 return
             try:
                 conn.setblocking(False)
-                transport = PlainTransport(self._loop, conn, peername, self._factory(), self)
+                transport = PlainTransport(self._loop, conn, peername, self._factory())
             except Exception as exc:  # the connection reset already (getsockname), or a bug
                 log.warning("accepted connection dropped", error=repr(exc), peer=peername)
                 conn.close()
                 continue
-            self._transports.add(transport)
             transport.start()
             if self._closed:
                 return

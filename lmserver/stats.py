@@ -30,7 +30,7 @@ def server_stats(state: ServerState) -> dict[str, Any]:
             "refused": counters.get("connections_refused", 0),
             "max": state.config.max_connections,
             # Staging and reply buffers, outside --memory-limit (README "Limits and timeouts").
-            "buffer_bytes": sum(c.buffer_bytes() for c in list(state.connections)),
+            "buffer_bytes": sum(c.buffer_bytes() for c in state.connections),
         },
         "tiers": [{"name": name, **usage} for name, usage in tiers.items()],
         "hits": counters.get("gets_served", 0),

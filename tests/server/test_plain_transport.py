@@ -82,12 +82,16 @@ class Recorder(asyncio.BufferedProtocol):
         self.lost.set_result(exc)
 
 
-async def serve(setup: Callable[[Recorder], None] | None = None) -> tuple[Any, list[Recorder], int]:
-    """A listener of recording protocols on 127.0.0.1; returns it, its protocols and the port."""
+async def serve(
+    setup: Callable[[Recorder], None] | None = None, *, on_data: Callable[[Recorder], None] | None = None
+) -> tuple[Any, list[Recorder], int]:
+    """A listener of recording protocols on 127.0.0.1 (each given ``on_data``, then passed to
+    ``setup``); returns it, its protocols and the port."""
     protocols: list[Recorder] = []
 
     def factory() -> Recorder:
         protocol = Recorder()
+        protocol.on_data = on_data
         if setup is not None:
             setup(protocol)
         protocols.append(protocol)
@@ -154,7 +158,7 @@ def test_unsent_writes_pause_the_protocol_and_close_waits_for_them(loop_factory:
         assert transport.is_closing()
 
     async def main() -> None:
-        listener, protocols, port = await serve(lambda p: setattr(p, "on_data", reply))
+        listener, protocols, port = await serve(on_data=reply)
         async with connect(port) as (reader, writer):
             writer.write(b"go")
             protocol = await first(protocols)
@@ -177,7 +181,7 @@ def test_abort_drops_unsent_writes(loop_factory: Loop) -> None:
         protocol.transport.write(b"after")  # dropped, as asyncio does
 
     async def main() -> None:
-        listener, protocols, port = await serve(lambda p: setattr(p, "on_data", reply_then_abort))
+        listener, protocols, port = await serve(on_data=reply_then_abort)
         async with connect(port) as (reader, writer):
             writer.write(b"go")
             protocol = await first(protocols)
@@ -204,7 +208,7 @@ def test_write_eof_sends_the_end_and_keeps_reading(loop_factory: Loop) -> None:
                 protocol.transport.write(b"more")
 
     async def main() -> None:
-        listener, protocols, port = await serve(lambda p: setattr(p, "on_data", answer_and_end))
+        listener, protocols, port = await serve(on_data=answer_and_end)
         async with connect(port) as (reader, writer):
             writer.write(b"question")
             assert await reader.read() == b"answer"  # then our end of the stream
@@ -225,7 +229,7 @@ def test_paused_reading_reads_nothing_until_resumed(loop_factory: Loop) -> None:
         protocol.transport.pause_reading()
 
     async def main() -> None:
-        listener, protocols, port = await serve(lambda p: setattr(p, "on_data", pause_at_once))
+        listener, protocols, port = await serve(on_data=pause_at_once)
         async with connect(port) as (_, writer):
             writer.write(b"first")
             protocol = await first(protocols)
@@ -252,7 +256,7 @@ def test_a_failing_protocol_is_reported_and_closes_only_its_connection(loop_fact
     async def main() -> None:
         reports: list[dict[str, Any]] = []
         asyncio.get_running_loop().set_exception_handler(lambda loop, context: reports.append(context))
-        listener, protocols, port = await serve(lambda p: setattr(p, "on_data", fail_on_boom))
+        listener, protocols, port = await serve(on_data=fail_on_boom)
         async with connect(port) as (reader, writer), connect(port) as (_, other_writer):
             await until(lambda: len(protocols) == 2)
             writer.write(b"boom")
@@ -367,7 +371,7 @@ def test_a_peer_that_resets_while_replies_are_queued_loses_them_quietly(loop_fac
     async def main() -> None:
         reports: list[dict[str, Any]] = []
         asyncio.get_running_loop().set_exception_handler(lambda loop, context: reports.append(context))
-        listener, protocols, port = await serve(lambda p: setattr(p, "on_data", flood))
+        listener, protocols, port = await serve(on_data=flood)
         raw = socket.create_connection(("127.0.0.1", port))
         raw.sendall(b"go")
         protocol = await first(protocols)
@@ -412,7 +416,7 @@ def test_writes_queued_behind_a_full_socket_pause_the_protocol_past_the_high_mar
         assert protocol.calls == ["made", "pause"]
 
     async def main() -> None:
-        listener, protocols, port = await serve(lambda p: setattr(p, "on_data", reply))
+        listener, protocols, port = await serve(on_data=reply)
         async with connect(port) as (reader, writer):
             writer.write(b"go")
             protocol = await first(protocols)
