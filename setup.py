@@ -131,8 +131,19 @@ class BuildExt(build_ext):
 
 
 def _c_extensions(modules: list[str]) -> list[Extension]:
-    """The hand-written C twins (``HAND_WRITTEN_C``): plain extensions, -O3 like mypyc's."""
-    return [Extension(m, [_source(m, ".c")], extra_compile_args=["-O3"]) for m in modules]
+    """The hand-written C twins (``HAND_WRITTEN_C``): plain extensions, -O3 like mypyc's. They
+    may include lmproto's shared C headers (``_keyscan.h``)."""
+    shared = _source("lmproto._keyscan", ".h")
+    return [
+        Extension(
+            m,
+            [_source(m, ".c")],
+            include_dirs=[os.path.dirname(shared)],
+            depends=[shared],  # a change to the header rebuilds every twin
+            extra_compile_args=["-O3"],
+        )
+        for m in modules
+    ]
 
 
 def _ext_modules() -> list[Any]:

@@ -1,4 +1,4 @@
-/* send_nowait and ReplyBuffer in C: the twins of _framed.py, which documents the behaviour and
+/* send_nowait, recv_nowait and ReplyBuffer in C: the twins of _framed.py, which documents the behaviour and
  * is the reference (tests/test_c_twins.py compares the two). */
 
 #define PY_SSIZE_T_CLEAN
@@ -8,6 +8,8 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+
+#include "_keyscan.h" /* lmproto's key scan: protocol/lmproto/_keyscan.h */
 
 /* The descriptor in `fd`, or -1 with TypeError or ValueError (as the Python twin). */
 static int
@@ -231,6 +233,126 @@ buffer_add_framed(ReplyBuffer *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE; /* not the length: a new int per 4 KiB reply, for a caller that has len() */
 }
 
+/* (a, b) as a new tuple of ints: by hand, as Py_BuildValue("(nn)") parses its format on
+ * every call (~450 instructions, a third of a sequential EXIST's add_exists). */
+static PyObject *
+two_counts(Py_ssize_t a, Py_ssize_t b)
+{
+    PyObject *result = PyTuple_New(2);
+    if (result == NULL) {
+        return NULL;
+    }
+    PyObject *first = PyLong_FromSsize_t(a), *second = PyLong_FromSsize_t(b);
+    if (first == NULL || second == NULL) {
+        Py_XDECREF(first);
+        Py_XDECREF(second);
+        Py_DECREF(result);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(result, 0, first); /* steals both references */
+    PyTuple_SET_ITEM(result, 1, second);
+    return result;
+}
+
+/* One EXIST of the run: 1 (hit) or 0 (miss) for the key in field[0:KEY_SIZE], 2 if the
+ * field holds no key the scan takes (the run ends), -1 with an exception. */
+static int
+exist_in(PyObject *shards, const unsigned char *field)
+{
+    PyObject *key = ascii_key(field);
+    if (key == NULL) {
+        return -1;
+    }
+    if (PyUnicode_GET_LENGTH(key) == 0) {
+        Py_DECREF(key);
+        return 2;
+    }
+    Py_hash_t hash = PyObject_Hash(key); /* cached on the str: the dict lookup reuses it */
+    Py_ssize_t count = PyTuple_GET_SIZE(shards);
+    Py_ssize_t index = hash % count; /* shard_index: C rounds toward zero, Python's % does not */
+    PyObject *shard = PyTuple_GET_ITEM(shards, index < 0 ? index + count : index);
+    int found = -1;
+    if (!PyDict_Check(shard)) {
+        PyErr_Format(PyExc_TypeError, "shards must be a tuple of dicts, not of %s", Py_TYPE(shard)->tp_name);
+    }
+    else {
+        found = PyDict_Contains(shard, key);
+    }
+    Py_DECREF(key);
+    return found;
+}
+
+static PyObject *
+buffer_add_exists(ReplyBuffer *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError,
+                        "add_exists(buf, generation, start, end, shards, replies, stop_at_miss)");
+        return NULL;
+    }
+    PyObject *shards = args[4], *replies = args[5];
+    if (!PyTuple_Check(shards)) {
+        PyErr_Format(PyExc_TypeError, "shards must be a tuple of dicts, not %s", Py_TYPE(shards)->tp_name);
+        return NULL;
+    }
+    if (PyTuple_GET_SIZE(shards) == 0) {
+        PyErr_SetString(PyExc_ValueError, "shards must not be empty");
+        return NULL;
+    }
+    if (!PyTuple_Check(replies) || PyTuple_GET_SIZE(replies) != 2 || !PyBytes_CheckExact(PyTuple_GET_ITEM(replies, 0))
+        || !PyBytes_CheckExact(PyTuple_GET_ITEM(replies, 1))) {
+        PyErr_SetString(PyExc_TypeError, "replies must be a tuple of two bytes: (miss, hit)");
+        return NULL;
+    }
+    Py_ssize_t key_at = key_offset(args[1]);
+    Py_ssize_t start, end;
+    if (key_at < 0 || read_index(args[2], &start) < 0 || read_index(args[3], &end) < 0) {
+        return NULL;
+    }
+    int stop_at_miss = PyObject_IsTrue(args[6]);
+    if (stop_at_miss < 0) {
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    Py_ssize_t size = key_at + KEY_SIZE;
+    if (start < 0 || end > view.len || end - start < size) {
+        PyBuffer_Release(&view);
+        return no_header();
+    }
+    const unsigned char *buf = view.buf;
+    Py_ssize_t queued = self->length, answered = 0, hits = 0;
+    for (Py_ssize_t at = start; end - at >= size; at += size) {
+        if (read_i32_le(buf + at) != EXIST || read_i32_le(buf + at + 4) != 0) {
+            break; /* another command, or a body follows */
+        }
+        int found = exist_in(shards, buf + at + key_at);
+        if (found < 0) {
+            goto fail;
+        }
+        if (found == 2 || (found == 0 && stop_at_miss)) {
+            break;
+        }
+        PyObject *reply = PyTuple_GET_ITEM(replies, found);
+        Py_ssize_t length = PyBytes_GET_SIZE(reply);
+        if (buffer_reserve(self, length) < 0) {
+            goto fail;
+        }
+        memcpy(self->data + self->length, PyBytes_AS_STRING(reply), (size_t)length);
+        self->length += length;
+        answered++;
+        hits += found;
+    }
+    PyBuffer_Release(&view);
+    return two_counts(answered, hits);
+fail:
+    self->length = queued; /* nothing half-way: the caller answers none of the run */
+    PyBuffer_Release(&view);
+    return NULL;
+}
+
 static PyObject *
 buffer_send(ReplyBuffer *self, PyObject *fd_object)
 {
@@ -283,6 +405,9 @@ static PyMethodDef buffer_methods[] = {
     {"add", (PyCFunction)buffer_add, METH_O, "add(data): data copied behind what is queued."},
     {"add_framed", (PyCFunction)(void (*)(void))buffer_add_framed, METH_FASTCALL,
      "add_framed(header, buffer, length): header + buffer[:length] copied behind what is queued."},
+    {"add_exists", (PyCFunction)(void (*)(void))buffer_add_exists, METH_FASTCALL,
+     "add_exists(buf, generation, start, end, shards, replies, stop_at_miss) -> (answered, hits): "
+     "see lmserver/_framed.py."},
     {"send", (PyCFunction)buffer_send, METH_O,
      "send(fd) -> bytes sent with one send(2) (0 if none), dropped from the front."},
     {"take", (PyCFunction)buffer_take, METH_NOARGS, "take() -> everything queued, as bytes; empties it."},

@@ -30,6 +30,11 @@ from __future__ import annotations
 import mmap
 import os
 
+from lmproto._constants import REQUEST_SIZE, Command, Generation
+from lmproto._lookup import decode_lookup
+
+from ._shard import shard_index
+
 Buffer = bytes | bytearray | memoryview | mmap.mmap
 
 
@@ -105,6 +110,65 @@ class ReplyBuffer:
             raise ValueError(f"length must be in 0..{len(view)}, not {length}")
         self._data += header
         self._data += view[:length]
+
+    def add_exists(
+        self,
+        buf: bytes | bytearray | memoryview,
+        generation: Generation,
+        start: int,
+        end: int,
+        shards: tuple[dict[str, object], ...],
+        replies: tuple[bytes, bytes],
+        stop_at_miss: bool,
+    ) -> tuple[int, int]:
+        """Answer the run of EXIST requests that begins at ``buf[start:end]``: ``(answered,
+        hits)``.
+
+        The run is the headers, one behind the other, that ``lmproto.decode_lookup`` answers
+        with EXIST and a key (bodiless, the key taken by its scan); it ends at any other header
+        or where a whole header no longer fits before ``end``. For each, ``replies[1]`` (hit)
+        is copied behind what is queued if the key is in ``shards[shard_index(key,
+        len(shards))]``, else ``replies[0]`` (miss); with ``stop_at_miss`` the run ends before
+        a key no shard holds instead, for the caller to look further. ``(0, 0)`` when the
+        header at ``start`` begins no run.
+
+        The server's EXIST path in one call: no key objects kept, no reply objects made.
+        ValueError as ``decode_lookups`` (generation, indices), and for no shards; TypeError
+        unless ``shards`` is a tuple of dicts and ``replies`` two bytes. On any error nothing
+        is queued."""
+        if not isinstance(shards, tuple):
+            raise TypeError(f"shards must be a tuple of dicts, not {type(shards).__name__}")
+        if not shards:
+            raise ValueError("shards must not be empty")
+        if not (isinstance(replies, tuple) and len(replies) == 2 and all(type(r) is bytes for r in replies)):
+            raise TypeError("replies must be a tuple of two bytes: (miss, hit)")
+        if not isinstance(generation, int) or generation not in (0, 1):
+            raise ValueError(f"generation must be 0 or 1, not {generation!r}")
+        if not isinstance(start, int) or not isinstance(end, int):
+            raise TypeError("start and end must be ints")
+        size = REQUEST_SIZE[generation]
+        if start < 0 or end > memoryview(buf).nbytes or end - start < size:
+            raise ValueError("the buffer holds no whole request header at this offset")
+        queued = len(self._data)
+        answered = hits = 0
+        try:
+            for at in range(start, end - size + 1, size):
+                command, key = decode_lookup(buf, generation, at)
+                if command != Command.EXIST or not key:
+                    break
+                shard = shards[shard_index(key, len(shards))]
+                if not isinstance(shard, dict):
+                    raise TypeError(f"shards must be a tuple of dicts, not of {type(shard).__name__}")
+                found = key in shard
+                if not found and stop_at_miss:
+                    break
+                self._data += replies[found]
+                answered += 1
+                hits += found
+        except BaseException:
+            del self._data[queued:]  # nothing half-way: the caller answers none of the run
+            raise
+        return answered, hits
 
     def send(self, fd: int) -> int:
         """Write what is queued to the non-blocking socket ``fd`` with one ``send(2)`` and drop

@@ -232,6 +232,9 @@ class LMProtocol(asyncio.BufferedProtocol):
         # also as attributes (no dict lookup per pipelined EXIST). Set by _use_generation.
         self._canned: dict[int, bytes] = {}
         self._canned_hit = self._canned_miss = b""
+        # (miss, hit), as ReplyBuffer.add_exists takes them. Typed as a variable-length tuple:
+        # compiled, a tuple[bytes, bytes] is kept unboxed, and boxed anew for every call.
+        self._canned_exist: tuple[bytes, ...] = (b"", b"")
         self._reply_header: Callable[[Entry], bytes] = _v1_reply_header  # set by _use_generation
         self._request_size = 0  # set by _use_generation
         if self.generation is not None:
@@ -245,6 +248,11 @@ class LMProtocol(asyncio.BufferedProtocol):
         self.reply_buffer = ReplyBuffer()
         self._add_reply: Callable[[bytes], None] = self.reply_buffer.add
         self._copy_reply: Callable[[bytes, Any, int], None] = self.reply_buffer.add_framed
+        self._add_exists: Callable[..., tuple[int, int]] = self.reply_buffer.add_exists
+        # What add_exists looks keys up in: the memory tier's dicts. With tiers behind memory,
+        # a key memory lacks may be in one of them, so a run stops at it (Store.contains).
+        self._exist_dicts: tuple[dict[str, Any], ...] = self.store.memory.entry_dicts
+        self._exist_stops_at_miss = bool(self.store.links)
         self._send_replies: Callable[[int], int] = self.reply_buffer.send
         # Replies that are not copied (a pinned object's header and body), and the reply
         # buffer's content ahead of them (_seal_replies): written in this order.
@@ -575,6 +583,33 @@ class LMProtocol(asyncio.BufferedProtocol):
         while self.end - self.start >= size:
             if check and not self._can_parse():
                 break
+            if last == _EXIST and not self.held:
+                # A connection that is looking keys up (LMCache: one EXIST per chunk, in
+                # order) mostly goes on doing so: its run of EXISTs answered in one C call,
+                # each key looked up and its reply queued with no object made for it but the
+                # key's str. It stops where something else must decide (another command, a
+                # key its scan does not take, a key memory lacks with tiers behind it).
+                done, hits = self._add_exists(
+                    staging,
+                    generation,
+                    self.start,
+                    self.end,
+                    self._exist_dicts,
+                    self._canned_exist,
+                    self._exist_stops_at_miss,
+                )
+                if done:
+                    self.exist_hits_uncounted += hits
+                    self.start += done * size
+                    if self.start == self.end:
+                        self.start = self.end = 0
+                    served += done
+                    run += done
+                    check = False
+                    if self._replies_full():
+                        self._flush()
+                        check = True
+                    continue
             # EXIST and GET without a body and with a valid key, the bulk of a pipelined burst,
             # need only the command and key: one decode_lookups call takes a whole run of them
             # (no Request built). Every other header takes decode_request.
@@ -980,6 +1015,7 @@ class LMProtocol(asyncio.BufferedProtocol):
         self.generation = generation
         self._canned = _CANNED[generation]
         self._canned_hit, self._canned_miss = self._canned[_SUCCESS], self._canned[_FAIL]
+        self._canned_exist = (self._canned_miss, self._canned_hit)
         self._reply_header = _REPLY_HEADER_OF[generation]
         # Kept as a plain int: REQUEST_SIZE[generation] hashes an IntEnum, which Enum does in
         # Python, once per read.

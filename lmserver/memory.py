@@ -147,6 +147,10 @@ class MemoryTier:
         self.pool = BufferPool(capacity, object_overhead=OBJECT_OVERHEAD)
         self.counters = MemoryCounters()
         self._shards = [_Shard() for _ in range(shards)]
+        # Each shard's key -> entry dict, in shard order: what ``contains`` looks in, for the
+        # connection's EXIST path in C (ReplyBuffer.add_exists), which looks without a lock
+        # as ``contains`` does. The dicts live as long as their shards.
+        self.entry_dicts: tuple[dict[str, Entry], ...] = tuple(shard.entries for shard in self._shards)
         self._tick = 0  # the last tick stamped (_next_tick)
         self._keys: SortedSet = SortedSet()
         self._keys_lock = threading.Lock()

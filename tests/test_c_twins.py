@@ -438,6 +438,106 @@ def test_reply_buffer_twins_agree_on_constructor_arguments() -> None:
         assert _answer(_framed.ReplyBuffer, *args) == _answer(framed_reference.ReplyBuffer, *args)
 
 
+MISS_HIT = (b"miss", b"HIT!")
+
+
+def _shards_holding(keys: list[str], count: int) -> tuple[dict[str, object], ...]:
+    shards: tuple[dict[str, object], ...] = tuple({} for _ in range(count))
+    for key in keys:
+        shards[_shard.shard_index(key, count)][key] = None
+    return shards
+
+
+def _exists_answer(reply_buffer: Any, *args: Any) -> Any:
+    """add_exists's answer (or error) and what the buffer holds after: it had b"kept"."""
+    reply_buffer.add(b"kept")
+    return _answer(reply_buffer.add_exists, *args), reply_buffer.take()
+
+
+@FAST
+@given(
+    st.lists(RUN_HEADERS, min_size=1, max_size=12),
+    st.sampled_from([0, 1]),
+    st.integers(1, 5),
+    st.lists(st.booleans(), min_size=12, max_size=12),
+    st.booleans(),
+    st.integers(0, 200),
+    KINDS,
+)
+def test_add_exists_twins_agree_and_answer_each_exist_of_the_run(
+    headers: list[tuple[int, int, bytes, bytes]],
+    generation: int,
+    count: int,
+    held: list[bool],
+    stop_at_miss: bool,
+    cut: int,
+    kind: Any,
+) -> None:
+    burst = b"".join(_header(c, n, key, pad, generation) for c, n, key, pad in headers)
+    buf = _as(kind, burst + b"tail")
+    size = lmproto.REQUEST_SIZE[Generation(generation)]
+    keys = [_lookup.decode_lookup(buf, generation, at)[1] for at in range(0, len(burst), size)]
+    shards = _shards_holding([k for k, h in zip(keys, held, strict=False) if k and h], count)
+    for end in (len(burst), len(burst) - cut, len(buf)):
+        args = (buf, generation, 0, end, shards, MISS_HIT, stop_at_miss)
+        answer, queued = _exists_answer(_framed.ReplyBuffer(), *args)
+        assert (answer, queued) == _exists_answer(framed_reference.ReplyBuffer(), *args), args
+        if isinstance(answer, tuple) and isinstance(answer[0], type):
+            continue  # an error (end before the first whole header): checked alike above
+        expected, hits = b"kept", 0  # the run as decode_lookup and shard_index read it
+        for at in range(0, end - size + 1, size):
+            command, key = _lookup.decode_lookup(buf, generation, at)
+            found = bool(key) and key in shards[_shard.shard_index(key, count)]
+            if command != Command.EXIST or not key or (stop_at_miss and not found):
+                break
+            expected += MISS_HIT[found]
+            hits += found
+        assert answer == ((len(expected) - 4) // 4, hits)
+        assert queued == expected
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        (bytes(158), 0, 0, 158, [{}], MISS_HIT, False),
+        (bytes(158), 0, 0, 158, (), MISS_HIT, False),
+        (bytes(158), 0, 0, 158, ({},), [b"m", b"h"], False),
+        (bytes(158), 0, 0, 158, ({},), (b"m",), False),
+        (bytes(158), 0, 0, 158, ({},), (b"m", "h"), False),
+        (bytes(158), 0, 0, 158, ({},), (b"m", bytearray(b"h")), False),
+        (bytes(158), 2, 0, 158, ({},), MISS_HIT, False),
+        (bytes(158), None, 0, 158, ({},), MISS_HIT, False),
+        (bytes(158), 0, -1, 158, ({},), MISS_HIT, False),
+        (bytes(158), 0, 1, 158, ({},), MISS_HIT, False),
+        (bytes(158), 0, 0, 159, ({},), MISS_HIT, False),
+        (bytes(158), 0, 2**70, 158, ({},), MISS_HIT, False),
+        (bytes(158), 0, 0, -(2**70), ({},), MISS_HIT, False),
+        (bytes(158), 0, "0", 158, ({},), MISS_HIT, False),
+        ("not a buffer" * 20, 0, 0, 158, ({},), MISS_HIT, False),
+        (_header(Command.EXIST, 0, b"k", b" ", 0), 0, 0, 158, ([], []), MISS_HIT, False),
+        (_header(Command.EXIST, 0, b"k", b" ", 0), 0, 0, 158, ({},), MISS_HIT),
+    ],
+)
+def test_add_exists_twins_agree_on_bad_arguments_and_queue_nothing(args: tuple[Any, ...]) -> None:
+    answer = _exists_answer(_framed.ReplyBuffer(), *args)
+    assert answer == _exists_answer(framed_reference.ReplyBuffer(), *args), args
+    assert answer[1] == b"kept"
+
+
+@REPLY_BUFFERS
+def test_add_exists_queues_nothing_when_a_later_key_fails(reply_buffer: Callable[[], Any]) -> None:
+    keys = [f"chunk-{i}" for i in range(40)]
+    shards: Any = list(_shards_holding(keys[:20], 4))
+    bad = _shard.shard_index(keys[30], 4)
+    shards[bad] = [keys[30]]  # not a dict: the lookup of a later key of the run fails
+    burst = b"".join(lmproto.encode_request(Command.EXIST, k) for k in keys)
+    queued = reply_buffer()
+    queued.add(b"kept")
+    with pytest.raises(TypeError, match="tuple of dicts"):
+        queued.add_exists(burst, 0, 0, len(burst), tuple(shards), MISS_HIT, False)
+    assert queued.take() == b"kept"
+
+
 @REPLY_BUFFERS
 def test_reply_buffer_frees_its_memory_on_release(reply_buffer: Callable[[], Any]) -> None:
     queued = reply_buffer()

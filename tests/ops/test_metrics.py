@@ -82,6 +82,25 @@ def test_counts_after_a_known_workload(make_server_thread: Callable[..., ServerT
     assert value(samples, "lmserver_request_duration_seconds_sum", command="put_ack") > 0
 
 
+def test_runs_of_exists_are_counted_hit_by_hit(make_server_thread: Callable[..., ServerThread]) -> None:
+    """A connection's EXISTs after its first are answered a run at a time (in C, compiled);
+    each one still counts as a hit or a miss."""
+    thread = make_server_thread(metrics_port=0)
+    with Wire(thread.host, thread.port, Generation.V1) as wire:
+        for i in range(0, 120, 3):
+            wire.put(f"k{i}", b"v")
+        assert wire.call(Command.EXIST, "k0")[0].status == Status.SUCCESS
+        wire.send_raw(b"".join(wire.frame(Command.EXIST, f"k{i}") for i in range(120)))
+        statuses = [wire.reply()[0].status for _ in range(120)]
+        assert statuses == [Status.SUCCESS if i % 3 == 0 else Status.FAIL for i in range(120)]
+        for i in range(10):
+            expected = Status.SUCCESS if i % 3 == 0 else Status.FAIL
+            assert wire.call(Command.EXIST, f"k{i}")[0].status == expected
+        samples = scrape(thread.metrics_port)
+    assert value(samples, "lmserver_requests_total", command="exist", outcome="hit") == 1 + 40 + 4
+    assert value(samples, "lmserver_requests_total", command="exist", outcome="miss") == 80 + 6
+
+
 def test_closed_connections_still_count(make_server_thread: Callable[..., ServerThread]) -> None:
     thread = make_server_thread(metrics_port=0)
     for _ in range(3):

@@ -360,6 +360,29 @@ def test_replies_stay_in_order_behind_pending_acks(spawn_server, tmp_path: Path)
             assert exist[0].status == 400
 
 
+def test_runs_of_exists_wait_behind_a_pending_ack(spawn_server, tmp_path: Path) -> None:
+    """EXISTs after EXISTs are answered a run at a time; behind a PUT_ACK that waits for the
+    disk, their replies are held in order like every other reply."""
+    proc = spawn_server("--disk", str(tmp_path / "data"), "--fsync", "always")
+    with Wire(proc.host, proc.port) as w:
+        w.put("here", value("here"))
+        burst = b""
+        for i in range(20):
+            burst += w.frame(Command.EXIST, "here") + w.frame(Command.EXIST, f"a{i}")
+            burst += w.frame(Command.PUT_ACK, f"a{i}", value(f"a{i}"))
+            burst += w.frame(Command.EXIST, f"a{i}") + w.frame(Command.EXIST, f"a{i + 1}")
+        w.send_raw(burst)
+        for i in range(20):
+            got = [w.reply() for _ in range(5)]
+            assert [(reply.status, body) for reply, body in got] == [
+                (200, b""),
+                (400, b""),  # not stored yet
+                (200, b""),  # the acknowledgement, once on disk
+                (200, b""),
+                (400, b""),
+            ], i
+
+
 def test_replies_queued_before_a_pending_ack_go_before_it(spawn_server, tmp_path: Path) -> None:
     """Small replies are copied into a buffer that is written at the end of the read; a
     PUT_ACK whose reply must wait for the disk holds every reply after it, and none before it."""

@@ -217,6 +217,24 @@ def test_list_and_exist_cover_every_tier(make_server_thread, tmp_path) -> None:
         assert presence == b"\x01" * len(keys)
 
 
+def test_runs_of_exists_find_keys_on_every_tier(make_server_thread, tmp_path) -> None:
+    """A run of EXISTs is answered from memory's dicts in one go, up to a key memory lacks:
+    with tiers behind, that one is looked for further down, and the run goes on after it."""
+    server = chain_server(make_server_thread, tmp_path)
+    keys = [f"run/{i:02d}" for i in range(64)]  # 16 MiB: most of them below memory
+    with Wire(server.host, server.port, Generation.V1) as w:
+        for key in keys:
+            put_settled(w, key, value(key, 256 * KiB))
+        memory_keys = stats(w)["tiers"][0]["objects"]
+        assert 0 < memory_keys < len(keys)
+        asked = [k for key in keys for k in (key, f"{key}/absent")]
+        assert w.call(Command.EXIST, keys[-1])[0].status == 200  # the run starts after an EXIST
+        w.send_raw(b"".join(w.frame(Command.EXIST, key) for key in asked))
+        assert [w.reply()[0].status for _ in asked] == [400 if k.endswith("absent") else 200 for k in asked]
+        for key in asked[:16]:  # and one at a time
+            assert w.call(Command.EXIST, key)[0].status == (400 if key.endswith("absent") else 200)
+
+
 def test_stats_report_every_tier(make_server_thread, tmp_path) -> None:
     server = chain_server(make_server_thread, tmp_path)
     with Wire(server.host, server.port, Generation.V1) as w:
