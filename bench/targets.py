@@ -104,8 +104,8 @@ def _wait_connectable(host: str, port: int, proc: subprocess.Popen[bytes], timeo
     return False
 
 
-def _listening_port(log: Path, proc: subprocess.Popen[bytes], timeout: float) -> int | None:
-    """Port from the server's JSON ``{"event": "listening", "port": N}`` line on stderr."""
+def _listening_record(log: Path, proc: subprocess.Popen[bytes], timeout: float) -> dict[str, Any] | None:
+    """The server's JSON ``{"event": "listening", "port": N, ...}`` line on stderr, parsed."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         with contextlib.suppress(OSError):
@@ -115,11 +115,19 @@ def _listening_port(log: Path, proc: subprocess.Popen[bytes], timeout: float) ->
                 with contextlib.suppress(ValueError):
                     rec = json.loads(line[line.index("{") :])
                     if rec.get("event") == "listening" and rec.get("port"):
-                        return int(rec["port"])
+                        return dict(rec)
         if proc.poll() is not None:
             return None
         time.sleep(0.05)
     return None
+
+
+FROM_SOURCE = (
+    "runs from source, no module compiled (a pure build, LMSERVER_PURE=1, or a stale build: see its log)"
+)
+"""The note of an lmserver whose listening line lists no compiled module: its figures are not
+the compiled server's. A build gone stale by an edit (or a ``git stash``) after it was made
+runs this way with only a warning in its log, easy to miss in a benchmark's output."""
 
 
 def _tail(path: Path, n: int = 3) -> str:
@@ -174,8 +182,9 @@ def start_lmserver(
 
     log.write_bytes(b"")
     proc = launch(0)
-    port = _listening_port(log, proc, startup)
-    note = ""
+    listening = _listening_record(log, proc, startup)
+    port = None if listening is None else int(listening["port"])
+    note = FROM_SOURCE if listening is not None and listening.get("compiled") == [] else ""
     if port is None:
         rc = proc.poll()
         if rc is None:

@@ -89,6 +89,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         for s in servers:
             if s.spec is None:
                 raise SystemExit(f"{s.name}: {s.note}")
+        for s in servers:
+            if s.note:
+                print(f"note: {s.name} {s.note}", flush=True)
+        print(header("baseline" if args.baseline is not None else PEERS[args.peer]), flush=True)
         size = report.parse_size(args.size)
         for op, n, depth in itertools.product(
             args.ops.split(","), clients, [int(d) for d in args.depths.split(",")]
@@ -188,7 +192,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--ops: unknown {', '.join(sorted(unknown))} (choose from {', '.join(OPS)})")
     if args.baseline is not None and args.peer != "redis":
         parser.error("--baseline replaces --peer: give one of them")
-    print(header("baseline" if args.baseline is not None else PEERS[args.peer]), flush=True)
     rows = run(args)
     (args.out / "versus.json").write_text(
         json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1)

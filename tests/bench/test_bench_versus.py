@@ -13,6 +13,9 @@ from typing import Any
 
 import pytest
 
+import lmserver
+from bench.targets import FROM_SOURCE, start_lmserver
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -110,3 +113,21 @@ def test_versus_refuses_a_peer_and_a_baseline_together(tmp_path: Path) -> None:
     proc = versus(*args, timeout=120)
     assert proc.returncode == 2 and "--baseline replaces --peer" in proc.stderr
     assert not (tmp_path / "versus.json").exists()
+
+
+@pytest.mark.parametrize("pure", [True, False], ids=["from-source", "as-built"])
+def test_a_server_running_from_source_is_noted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pure: bool
+) -> None:
+    """A stale build runs from source with only a warning in its log; the bench says so beside
+    its figures (bench.versus prints each server's note before the table)."""
+    if pure:
+        monkeypatch.setenv("LMSERVER_PURE", "1")
+    elif not any(lmserver.compiled().values()):
+        pytest.skip("this install runs from source: there is no compiled server to start")
+    target = start_lmserver("lmserver", tmp_path, None, [], "64MiB")
+    try:
+        assert not target.skipped, target.note
+        assert (FROM_SOURCE in target.note) is pure, target.note
+    finally:
+        target.stop()
