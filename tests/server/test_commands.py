@@ -216,6 +216,34 @@ def test_pipelined_lookups_take_the_fast_path_or_the_full_decode_as_their_key_fi
         assert (reply.status, got) == (status, body)
 
 
+def test_a_run_of_exists_ends_at_every_key_field_it_does_not_take(wire: Wire) -> None:
+    """After an EXIST, a connection's EXISTs are answered a run at a time in one call (C when
+    compiled). Every key field that call does not take ends the run and goes through the full
+    decode, and the run goes on after it: the answers stay those of one EXIST at a time."""
+    wire.put("k1", b"small")
+
+    def frame(field: bytes) -> bytes:
+        return wire.frame(Command.EXIST, "x")[:-150] + field.ljust(150, b" ")
+
+    cases = [
+        (b"k1", 200),
+        (b" \tk1\t", 200),  # whitespace around the key is not the key
+        (b"k1".ljust(150, b"\x00"), 200),  # NUL padding
+        (b"\xff\xfek1", 400),  # not UTF-8
+        (b"k1", 200),
+        ("é".encode(), 400),  # UTF-8, not ASCII: the full decode's, a valid key held by no one
+        (b"", 400),  # empty key
+        (b"k1\x00x", 400),  # NUL inside the key
+        (b"k1", 200),
+        (b"missing", 400),
+        (b"k1", 200),
+    ]
+    assert wire.call(Command.EXIST, "k1")[0].status == 200  # the runs start after an EXIST
+    wire.send_raw(b"".join(frame(field) for field, _ in cases * 3))
+    assert [wire.reply()[0].status for _ in cases * 3] == [status for _, status in cases * 3]
+    assert wire.call(Command.EXIST, "k1")[0].status == 200
+
+
 def test_pipelined_requests_are_answered_in_order(wire: Wire) -> None:
     burst = b"".join(wire.frame(Command.PUT, f"p{i}", f"value-{i}".encode()) for i in range(150))
     burst += b"".join(wire.frame(Command.GET, f"p{i}") for i in range(150))
