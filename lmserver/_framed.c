@@ -366,7 +366,7 @@ buffer_send(ReplyBuffer *self, PyObject *fd_object)
         memmove(self->data, self->data + sent, (size_t)(self->length - sent));
         self->length -= sent;
     }
-    return PyLong_FromSsize_t(sent);
+    return PyLong_FromSsize_t(self->length); /* what is left: 0, a cached int, as a rule */
 }
 
 static PyObject *
@@ -409,7 +409,7 @@ static PyMethodDef buffer_methods[] = {
      "add_exists(buf, generation, start, end, shards, replies, stop_at_miss) -> (answered, hits): "
      "see lmserver/_framed.py."},
     {"send", (PyCFunction)buffer_send, METH_O,
-     "send(fd) -> bytes sent with one send(2) (0 if none), dropped from the front."},
+     "send(fd) -> bytes still queued after one send(2) of them (0: all sent)."},
     {"take", (PyCFunction)buffer_take, METH_NOARGS, "take() -> everything queued, as bytes; empties it."},
     {"release", (PyCFunction)buffer_release, METH_NOARGS, "Drop what is queued and free the memory."},
     {"__sizeof__", (PyCFunction)buffer_sizeof, METH_NOARGS, NULL},

@@ -1098,7 +1098,7 @@ class LMProtocol(asyncio.BufferedProtocol):
     def _send_buffered(self, buffered: int) -> None:
         """Write the reply buffer's ``buffered`` bytes, as ``_send`` would: what the socket does
         not take goes to the transport as a bytes copy, so the buffer is free again at once."""
-        if self._may_send_directly() and self._send_replies(self.fd) == buffered:
+        if self._may_send_directly() and self._send_replies(self.fd) == 0:
             return
         self.write(self.reply_buffer.take())
 

@@ -602,19 +602,21 @@ def test_reply_buffer_sends_what_the_socket_takes_and_keeps_the_rest(
 ) -> None:
     ours, peer = socket_pair
     queued, data = reply_buffer(), bytes(range(256)) * 16_384  # 4 MiB: more than the socket takes
-    assert queued.send(ours.fileno()) == 0  # nothing queued, nothing sent
+    assert queued.send(ours.fileno()) == 0  # nothing queued, nothing left
     queued.add(data)
-    sent = queued.send(ours.fileno())
-    assert 0 < sent < len(data) and len(queued) == len(data) - sent  # the front went
-    assert queued.send(ours.fileno()) == 0 and len(queued) == len(data) - sent  # full: kept
+    left = queued.send(ours.fileno())
+    assert 0 < left < len(data) and len(queued) == left  # the front went
+    assert queued.send(ours.fileno()) == left and len(queued) == left  # full: kept
     received = bytearray()
     while len(received) < len(data):
         received += peer.recv(1 << 20)
-        queued.send(ours.fileno())
+        assert queued.send(ours.fileno()) == len(queued)
     assert received == data and not len(queued)
+    queued.add(b"small")
+    assert queued.send(ours.fileno()) == 0 and peer.recv(10) == b"small"  # all went
     queued.add(b"late")
     peer.close()
-    assert queued.send(ours.fileno()) == 0 and queued.take() == b"late"  # a peer gone: kept too
+    assert queued.send(ours.fileno()) == 4 and queued.take() == b"late"  # a peer gone: kept too
 
 
 def test_reply_buffer_send_twins_agree_on_bad_arguments(
