@@ -86,6 +86,7 @@ from lmproto import (
 from ._framed import ReplyBuffer, send_nowait
 from .logs import ThrottledWarnings
 from .memory import Entry
+from .plain import PlainTransport
 from .state import ServerState
 from .stats import server_stats
 from .tls import write_buffer_high_water
@@ -280,6 +281,10 @@ class LMProtocol(asyncio.BufferedProtocol):
         # transport.is_closing, bound once: the fd is closed (and may be reused by the next
         # accepted connection) as soon as the transport closes, before connection_lost.
         self.is_closing: Callable[[], bool] = _closing
+        # The same transport when it is the server's own (plain.py), typed: compiled, its
+        # is_closing() is then a direct call, where the bound method above is a generic one
+        # (~150 instructions per reply).
+        self.plain: PlainTransport | None = None
         self.owe_ack = False  # a fire-and-forget PUT was read and no reply carried its ACK
         # Progress, for the timeout sweep: counted on the read path, compared by ``sweep``.
         self.received = 0
@@ -376,12 +381,13 @@ class LMProtocol(asyncio.BufferedProtocol):
         self.transport.set_write_buffer_limits(high=high, low=0)  # type: ignore[union-attr]
         # Transports that keep a reference to what they cannot send yet (ours, uvloop's) rather
         # than copying it (the stdlib's TLS transport): see _flush.
-        module = type(transport).__module__
-        self.copying_transport = not (module == "lmserver.plain" or module.startswith("uvloop"))
+        plain = transport if isinstance(transport, PlainTransport) else None
+        self.copying_transport = not (plain is not None or type(transport).__module__.startswith("uvloop"))
         self.write = self.transport.write  # type: ignore[union-attr]
         if sock is not None and transport.get_extra_info("ssl_object") is None:
             self.fd = sock.fileno()
             self.is_closing = transport.is_closing
+            self.plain = plain
         self.state.connections.add(self)
         self.state.no_connections.clear()
         self.counters["connections_accepted"] += 1
@@ -1121,7 +1127,10 @@ class LMProtocol(asyncio.BufferedProtocol):
         self.write(data)
 
     def _may_send_directly(self) -> bool:
-        return self.fd >= 0 and not self.write_paused and not self.is_closing()
+        if self.fd < 0 or self.write_paused:
+            return False
+        plain = self.plain
+        return not (plain.is_closing() if plain is not None else self.is_closing())
 
     def buffer_bytes(self) -> int:
         """Memory this connection holds outside ``--memory-limit``: its staging buffer and its
