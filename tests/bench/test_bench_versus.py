@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 
 import lmserver
-from bench.targets import FROM_SOURCE, start_lmserver
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -125,6 +124,9 @@ def test_a_server_running_from_source_is_noted(
         monkeypatch.setenv("LMSERVER_PURE", "1")
     elif not any(lmserver.compiled().values()):
         pytest.skip("this install runs from source: there is no compiled server to start")
+    monkeypatch.syspath_prepend(str(REPO))  # bench/ is not installed: the checkout's
+    from bench.targets import FROM_SOURCE, start_lmserver
+
     target = start_lmserver("lmserver", tmp_path, None, [], "64MiB")
     try:
         assert not target.skipped, target.note
