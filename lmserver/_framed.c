@@ -233,24 +233,16 @@ buffer_add_framed(ReplyBuffer *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE; /* not the length: a new int per 4 KiB reply, for a caller that has len() */
 }
 
-/* (a, b) as a new tuple of ints: by hand, as Py_BuildValue("(nn)") parses its format on
- * every call (~450 instructions, a third of a sequential EXIST's add_exists). */
+/* (a, b) as a new tuple of ints. Not Py_BuildValue("(nn)"): it parses its format on every
+ * call (~450 instructions, a third of a sequential EXIST's add_exists). */
 static PyObject *
 two_counts(Py_ssize_t a, Py_ssize_t b)
 {
-    PyObject *result = PyTuple_New(2);
-    if (result == NULL) {
-        return NULL;
-    }
-    PyObject *first = PyLong_FromSsize_t(a), *second = PyLong_FromSsize_t(b);
-    if (first == NULL || second == NULL) {
-        Py_XDECREF(first);
-        Py_XDECREF(second);
-        Py_DECREF(result);
-        return NULL;
-    }
-    PyTuple_SET_ITEM(result, 0, first); /* steals both references */
-    PyTuple_SET_ITEM(result, 1, second);
+    PyObject *first = PyLong_FromSsize_t(a);
+    PyObject *second = first == NULL ? NULL : PyLong_FromSsize_t(b);
+    PyObject *result = second == NULL ? NULL : PyTuple_Pack(2, first, second);
+    Py_XDECREF(first); /* the tuple holds its own references */
+    Py_XDECREF(second);
     return result;
 }
 
