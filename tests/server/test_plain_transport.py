@@ -123,6 +123,22 @@ async def first(protocols: list[Recorder]) -> Recorder:
     return protocols[0]
 
 
+@contextlib.asynccontextmanager
+async def replying(
+    on_data: Callable[[Recorder], None],
+) -> AsyncIterator[tuple[asyncio.StreamReader, Recorder]]:
+    """A listener whose connections run ``on_data`` when bytes arrive, and one client that has
+    sent some: yields the client's reader and the server side's protocol. The listener closes
+    at the end; the connection is the client's to close (closing a listener leaves it open)."""
+    listener, protocols, port = await serve(on_data=on_data)
+    try:
+        async with connect(port) as (reader, writer):
+            writer.write(b"go")
+            yield reader, await first(protocols)
+    finally:
+        listener.close()
+
+
 @LOOPS
 def test_reads_arrive_in_order_and_a_peer_eof_closes(loop_factory: Loop) -> None:
     async def main() -> None:
@@ -158,17 +174,13 @@ def test_unsent_writes_pause_the_protocol_and_close_waits_for_them(loop_factory:
         assert transport.is_closing()
 
     async def main() -> None:
-        listener, protocols, port = await serve(on_data=reply)
-        async with connect(port) as (reader, writer):
-            writer.write(b"go")
-            protocol = await first(protocols)
+        async with replying(reply) as (reader, protocol):
             await until(lambda: "pause" in protocol.calls)
             assert protocol.calls == ["made", "pause"]
             assert await reader.read() == big
             assert await protocol.lost is None
             assert protocol.calls == ["made", "pause", "resume", "lost"]
             assert protocol.transport.get_write_buffer_size() == 0
-        listener.close()
 
     run(loop_factory, main())
 
@@ -181,10 +193,7 @@ def test_abort_drops_unsent_writes(loop_factory: Loop) -> None:
         protocol.transport.write(b"after")  # dropped, as asyncio does
 
     async def main() -> None:
-        listener, protocols, port = await serve(on_data=reply_then_abort)
-        async with connect(port) as (reader, writer):
-            writer.write(b"go")
-            protocol = await first(protocols)
+        async with replying(reply_then_abort) as (reader, protocol):
             assert await protocol.lost is None
             received = 0
             with contextlib.suppress(ConnectionResetError):
@@ -192,7 +201,6 @@ def test_abort_drops_unsent_writes(loop_factory: Loop) -> None:
                     received += len(chunk)
             assert received < 16 * 1024 * 1024
             assert protocol.calls == ["made", "pause", "lost"]
-        listener.close()
 
     run(loop_factory, main())
 
@@ -416,15 +424,11 @@ def test_writes_queued_behind_a_full_socket_pause_the_protocol_past_the_high_mar
         assert protocol.calls == ["made", "pause"]
 
     async def main() -> None:
-        listener, protocols, port = await serve(on_data=reply)
-        async with connect(port) as (reader, writer):
-            writer.write(b"go")
-            protocol = await first(protocols)
+        async with replying(reply) as (reader, protocol):
             await until(lambda: "pause" in protocol.calls)
             assert len(await reader.readexactly(64 * 1024 * 1024)) == 64 * 1024 * 1024
             await until(lambda: "resume" in protocol.calls)
             assert protocol.transport.get_write_buffer_size() == 0
         await protocol.lost
-        listener.close()
 
     run(loop_factory, main())
