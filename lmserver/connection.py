@@ -73,7 +73,7 @@ from lmproto import (
     Request,
     Status,
     decode_key_list,
-    decode_lookups,
+    decode_lookups_into,
     decode_request,
     detect_generation,
     encode_error_text,
@@ -136,7 +136,7 @@ _TCP_QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)  # Linux only
 _SUCCESS: Final = int(Status.SUCCESS)
 _FAIL: Final = int(Status.FAIL)
 # Not compiled by mypyc (a C twin): Final, so not looked up in the module dict per call.
-_decode_lookups: Final = decode_lookups
+_decode_lookups_into: Final = decode_lookups_into
 _send_nowait: Final = send_nowait
 _EXIST: Final = int(Command.EXIST)
 _GET: Final = int(Command.GET)
@@ -310,6 +310,11 @@ class LMProtocol(asyncio.BufferedProtocol):
         # another command comes or by add_counts.
         self.run_command = EXIST_HITS_SLOT
         self.run_count = 0
+        # The keys of the run of lookups being served, refilled by each decode_lookups_into
+        # call (one list for the connection's life: no tuple made and freed per lookup).
+        # _serve_staged is not re-entered while it iterates them: what it calls schedules
+        # the connection's other callbacks, it does not run them.
+        self.lookup_keys: list[str] = []
         self.gets_uncounted = 0
         self.get_bytes_uncounted = 0
         self.timed_since = 0.0  # when the request now waited on began (latency metrics)
@@ -617,9 +622,10 @@ class LMProtocol(asyncio.BufferedProtocol):
                         check = True
                     continue
             # EXIST and GET without a body and with a valid key, the bulk of a pipelined burst,
-            # need only the command and key: one decode_lookups call takes a whole run of them
+            # need only the command and key: one decode_lookups_into call takes a whole run of them
             # (no Request built). Every other header takes decode_request.
-            command, keys = _decode_lookups(staging, generation, self.start, self.end)
+            keys = self.lookup_keys
+            command = _decode_lookups_into(staging, generation, self.start, self.end, keys)
             if keys:
                 if command == _EXIST:
                     # Answered inline, and nothing _can_parse reads changes: the run at once.

@@ -66,6 +66,7 @@ def _same(*args: Any) -> None:
     [
         (_lookup, "decode_lookup"),
         (_lookup, "decode_lookups"),
+        (_lookup, "decode_lookups_into"),
         (_framed, "send_nowait"),
         (_shard, "shard_index"),
     ],
@@ -77,6 +78,7 @@ def test_the_installed_twin_is_what_the_build_says(module: types.ModuleType, fun
     assert isinstance(twin, types.FunctionType)
     assert lmproto.decode_lookup is _lookup.decode_lookup
     assert lmproto.decode_lookups is _lookup.decode_lookups
+    assert lmproto.decode_lookups_into is _lookup.decode_lookups_into
 
 
 def test_the_installed_reply_buffer_is_what_the_build_says() -> None:
@@ -157,8 +159,21 @@ def test_twins_agree_on_bad_arguments(args: tuple[Any, ...]) -> None:
     _same(*args)
 
 
+def _into(decode_into: Callable[..., int], *args: Any) -> tuple[Any, list[str]]:
+    """What ``decode_lookups_into`` answers, and what the list it was given then holds."""
+    keys = ["stale", "keys"]
+    return _answer(decode_into, *args, keys), keys
+
+
 def _same_runs(*args: Any) -> None:
-    assert _answer(_lookup.decode_lookups, *args) == _answer(reference.decode_lookups, *args), args
+    answer = _answer(_lookup.decode_lookups, *args)
+    assert answer == _answer(reference.decode_lookups, *args), args
+    into = _into(_lookup.decode_lookups_into, *args)
+    assert into == _into(reference.decode_lookups_into, *args), args
+    if isinstance(answer, tuple) and len(answer) == 2 and isinstance(answer[1], tuple):
+        assert into == (answer[0], list(answer[1]))  # the same run, in the list
+    else:
+        assert into == (answer, ["stale", "keys"])  # the same error; the list as it was
 
 
 # Headers as a burst holds them: mostly lookups with good keys, some that end a run.
@@ -236,6 +251,32 @@ def test_a_long_run_comes_back_in_pieces_of_run_max() -> None:
 )
 def test_run_twins_agree_on_bad_arguments(args: tuple[Any, ...]) -> None:
     _same_runs(*args)
+
+
+@pytest.mark.parametrize("keys", [("a tuple",), None, "a str", type("AList", (list,), {})()])
+def test_decode_lookups_into_takes_exactly_a_list(keys: Any) -> None:
+    burst = lmproto.encode_request(Command.EXIST, "chunk", generation=Generation.V1)
+    for decode_into in (_lookup.decode_lookups_into, reference.decode_lookups_into):
+        with pytest.raises(TypeError):
+            decode_into(burst, Generation.V1, 0, len(burst), keys)
+
+
+def test_decode_lookups_into_refills_one_list_call_after_call() -> None:
+    size = lmproto.REQUEST_SIZE[Generation.V1]
+    burst = b"".join(
+        lmproto.encode_request(Command.GET, f"chunk-{i}", generation=Generation.V1) for i in range(100)
+    ) + lmproto.encode_request(Command.EXIST, "last", generation=Generation.V1)
+    for decode_into in (_lookup.decode_lookups_into, reference.decode_lookups_into):
+        keys: list[str] = []
+        assert decode_into(burst, Generation.V1, 0, len(burst), keys) == Command.GET
+        assert keys == [f"chunk-{i}" for i in range(_lookup.RUN_MAX)]  # a longer list first
+        assert decode_into(burst, Generation.V1, 98 * size, len(burst), keys) == Command.GET
+        assert keys == ["chunk-98", "chunk-99"]  # then a shorter one: nothing of the first left
+        assert decode_into(burst, Generation.V1, 100 * size, len(burst), keys) == Command.EXIST
+        assert keys == ["last"]
+        put = lmproto.encode_request(Command.PUT, "body", length=4, generation=Generation.V1)
+        assert decode_into(put, Generation.V1, 0, len(put), keys) == Command.PUT
+        assert keys == []
 
 
 # -- lmserver._shard

@@ -45,7 +45,7 @@ from ._decode import decode_reply, decode_request, detect_generation
 from ._decoder import NEED_DATA, ReplyDecoder, RequestDecoder
 from ._errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from ._frames import NO_META, PLACEHOLDER_META, ObjectMeta, Reply, Request
-from ._lookup import decode_lookup, decode_lookups
+from ._lookup import decode_lookup, decode_lookups, decode_lookups_into
 
 __all__ = [
     "DETECT_SIZE",
@@ -86,6 +86,7 @@ __all__ = [
     "decode_reply",
     "decode_lookup",
     "decode_lookups",
+    "decode_lookups_into",
     "decode_request",
     "detect_generation",
     "encode_error_text",

@@ -62,13 +62,14 @@ decode_lookup(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return pair(command, key);
 }
 
-/* The keys of the run of lookups at buf[start:end] as a new tuple (at most RUN_MAX of them),
- * the command of the first header into *command; NULL with an exception on failure. The keys
- * are collected first, so the tuple is made once at its size (no list growing key by key). */
-static PyObject *
-lookup_run(const unsigned char *buf, Py_ssize_t start, Py_ssize_t end, Py_ssize_t key_at, int32_t *command)
+/* The keys of the run of lookups at buf[start:end] into keys[] (new references, at most
+ * RUN_MAX of them), the command of the first header into *command; their count, or -1 with an
+ * exception (nothing left in keys[]). Collected first, so the caller makes its tuple once at its
+ * size or appends them to its list. */
+static Py_ssize_t
+lookup_run(const unsigned char *buf, Py_ssize_t start, Py_ssize_t end, Py_ssize_t key_at, int32_t *command,
+           PyObject *keys[RUN_MAX])
 {
-    PyObject *keys[RUN_MAX];
     Py_ssize_t count = 0;
     Py_ssize_t size = key_at + KEY_SIZE;
     *command = read_i32_le(buf + start);
@@ -79,7 +80,10 @@ lookup_run(const unsigned char *buf, Py_ssize_t start, Py_ssize_t end, Py_ssize_
             }
             PyObject *key = ascii_key(buf + at + key_at);
             if (key == NULL) {
-                goto fail;
+                while (count > 0) {
+                    Py_DECREF(keys[--count]);
+                }
+                return -1;
             }
             if (PyUnicode_GET_LENGTH(key) == 0) {
                 Py_DECREF(key);
@@ -88,19 +92,31 @@ lookup_run(const unsigned char *buf, Py_ssize_t start, Py_ssize_t end, Py_ssize_
             keys[count++] = key;
         }
     }
-    PyObject *run = PyTuple_New(count);
-    if (run == NULL) {
-        goto fail;
+    return count;
+}
+
+/* The run at buf[start:end] as decode_lookups and decode_lookups_into take it: the arguments
+ * checked, the keys into keys[]; their count, or -1 with an exception. */
+static Py_ssize_t
+lookup_args(PyObject *const *args, int32_t *command, PyObject *keys[RUN_MAX])
+{
+    Py_ssize_t key_at = key_offset(args[1]);
+    Py_ssize_t start, end;
+    if (key_at < 0 || read_index(args[2], &start) < 0 || read_index(args[3], &end) < 0) {
+        return -1;
     }
-    for (Py_ssize_t i = 0; i < count; i++) {
-        PyTuple_SET_ITEM(run, i, keys[i]); /* steals the reference */
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
+        return -1;
     }
-    return run;
-fail:
-    while (count > 0) {
-        Py_DECREF(keys[--count]);
+    if (start < 0 || end > view.len || end - start < key_at + KEY_SIZE) {
+        PyBuffer_Release(&view);
+        no_header();
+        return -1;
     }
-    return NULL;
+    Py_ssize_t count = lookup_run((const unsigned char *)view.buf, start, end, key_at, command, keys);
+    PyBuffer_Release(&view);
+    return count;
 }
 
 static PyObject *
@@ -111,23 +127,65 @@ decode_lookups(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "decode_lookups(buf, generation, start, end)");
         return NULL;
     }
-    Py_ssize_t key_at = key_offset(args[1]);
-    Py_ssize_t start, end;
-    if (key_at < 0 || read_index(args[2], &start) < 0 || read_index(args[3], &end) < 0) {
-        return NULL;
-    }
-    Py_buffer view;
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
-        return NULL;
-    }
-    if (start < 0 || end > view.len || end - start < key_at + KEY_SIZE) {
-        PyBuffer_Release(&view);
-        return no_header();
-    }
+    PyObject *keys[RUN_MAX];
     int32_t command;
-    PyObject *keys = lookup_run((const unsigned char *)view.buf, start, end, key_at, &command);
-    PyBuffer_Release(&view);
-    return pair(command, keys);
+    Py_ssize_t count = lookup_args(args, &command, keys);
+    if (count < 0) {
+        return NULL;
+    }
+    PyObject *run = PyTuple_New(count);
+    if (run == NULL) {
+        while (count > 0) {
+            Py_DECREF(keys[--count]);
+        }
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyTuple_SET_ITEM(run, i, keys[i]); /* steals the reference */
+    }
+    return pair(command, run);
+}
+
+/* The list emptied in place: its items released, its allocation kept, so the appends that
+ * refill it allocate nothing (list.clear() would free the allocation). The size is set to 0
+ * before any item is released, so code a release may run sees an empty list. */
+static void
+empty_list(PyObject *list)
+{
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    PyObject **items = ((PyListObject *)list)->ob_item;
+    Py_SET_SIZE(list, 0);
+    while (n > 0) {
+        Py_DECREF(items[--n]);
+    }
+}
+
+static PyObject *
+decode_lookups_into(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 5 || !PyList_CheckExact(args[4])) {
+        PyErr_SetString(PyExc_TypeError, "decode_lookups_into(buf, generation, start, end, keys: list)");
+        return NULL;
+    }
+    PyObject *keys[RUN_MAX];
+    int32_t command;
+    Py_ssize_t count = lookup_args(args, &command, keys);
+    if (count < 0) {
+        return NULL;
+    }
+    PyObject *list = args[4];
+    empty_list(list);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (PyList_Append(list, keys[i]) < 0) {
+            while (count > i) {
+                Py_DECREF(keys[--count]);
+            }
+            return NULL;
+        }
+        Py_DECREF(keys[i]); /* the list holds it now */
+    }
+    return PyLong_FromLong(command);
 }
 
 static PyMethodDef methods[] = {
@@ -135,6 +193,8 @@ static PyMethodDef methods[] = {
      "decode_lookup(buf, generation, offset=0) -> (command, key): see lmproto/_lookup.py."},
     {"decode_lookups", (PyCFunction)(void (*)(void))decode_lookups, METH_FASTCALL,
      "decode_lookups(buf, generation, start, end) -> (command, keys): see lmproto/_lookup.py."},
+    {"decode_lookups_into", (PyCFunction)(void (*)(void))decode_lookups_into, METH_FASTCALL,
+     "decode_lookups_into(buf, generation, start, end, keys) -> command: see lmproto/_lookup.py."},
     {NULL, NULL, 0, NULL},
 };
 
