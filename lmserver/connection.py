@@ -85,7 +85,7 @@ from lmproto import (
 
 from ._framed import ReplyBuffer, send_nowait
 from .logs import ThrottledWarnings
-from .memory import Entry
+from .memory import Entry, cached_header
 from .plain import PlainTransport
 from .state import ServerState
 from .stats import server_stats
@@ -176,18 +176,16 @@ _CANNED: Final = {gen: _canned_replies(gen) for gen in Generation}
 
 
 def _reply_header(entry: Entry, generation: Generation) -> bytes:
-    """The GET reply header of ``entry`` for ``generation``, cached on the entry (its
-    status, length and metadata never change once stored)."""
-    if entry.reply_generation is not generation:
-        meta: ObjectMeta = entry.meta
-        entry.reply_header = encode_reply(Status.SUCCESS, entry.length, generation=generation, meta=meta)
-        entry.reply_generation = generation
-    return entry.reply_header
+    """The GET reply header of ``entry`` for ``generation`` (cached on the entry by
+    ``cached_header``: its status, length and metadata never change once stored)."""
+    meta: ObjectMeta = entry.meta
+    return encode_reply(Status.SUCCESS, entry.length, generation=generation, meta=meta)
 
 
-# One function per generation, for MemoryTier.read's header_of: a module function is a
-# plain call, where a bound method (self._reply_header) was a generic attribute lookup that
-# builds a method object per GET (~5% of a pipelined 4 KiB GET).
+# One function per generation, for MemoryTier.read's header_of (which cached_header also
+# keeps as the tag of an entry's cached header): a module function is a plain call, where a
+# bound method (self._reply_header) was a generic attribute lookup that builds a method
+# object per GET (~5% of a pipelined 4 KiB GET).
 _V0: Final = Generation.V0
 _V1: Final = Generation.V1
 
@@ -1011,11 +1009,11 @@ class LMProtocol(asyncio.BufferedProtocol):
         entry is not pinned); else ``entry`` is pinned, and a small one is copied here and
         unpinned."""
         if not copied and entry.length <= self.small_reply:
-            self._copy_reply(self._reply_header(entry), entry.buffer, entry.length)
+            self._copy_reply(cached_header(entry, self._reply_header), entry.buffer, entry.length)
             self.store.memory.unpin(entry)
             copied = True
         if not copied:
-            self._emit(self._reply_header(entry), entry.view, pin=entry)
+            self._emit(cached_header(entry, self._reply_header), entry.view, pin=entry)
         elif self.held:
             # Behind a PUT_ACK not yet answered (the buffer held nothing before it, see
             # _finish_put): it waits with the held replies, as its own bytes.

@@ -45,8 +45,8 @@ class Entry:
         "live",
         "meta",
         "pins",
-        "reply_generation",
         "reply_header",
+        "reply_header_of",
         "tick",
     )
 
@@ -60,15 +60,28 @@ class Entry:
         self.live = False  # reachable through the index
         self.lent = False  # evicted and being demoted: its buffer is in the pool's lent share
         self.tick = 0
-        # The connection layer's cache of this object's GET reply header, for one frame
-        # generation at a time: its status, length and metadata never change once stored.
+        # A reader's cache of this object's reply header (see cached_header): what the
+        # function reply_header_of made of it, for one such function at a time.
         self.reply_header = b""
-        self.reply_generation: object = None
+        self.reply_header_of: object = None
 
     @property
     def view(self) -> memoryview:
         """The object's bytes (a view; no copy)."""
         return memoryview(self.buffer)[: self.length]
+
+
+def cached_header(entry: Entry, header_of: Callable[[Entry], bytes]) -> bytes:
+    """``header_of(entry)``, cached on the entry: a reader's header for the object (a GET
+    reply's), which must depend only on what never changes once it is stored (its length and
+    metadata). One function's answer is kept at a time, so readers that use one function (all
+    of a server's connections of one frame generation) call it once per object. Compiled, this
+    is a direct call and a pointer comparison per GET, where calling ``header_of`` to look in
+    its own cache was a generic call per GET."""
+    if entry.reply_header_of is not header_of:
+        entry.reply_header = header_of(entry)
+        entry.reply_header_of = header_of
+    return entry.reply_header
 
 
 class MemoryVictim(Victim):
@@ -246,8 +259,8 @@ class MemoryTier:
         self, key: str, copy_up_to: int, header_of: Callable[[Entry], bytes], copy: CopyOut
     ) -> Entry | None:
         """``get`` for a reader that copies small objects: an object of at most
-        ``copy_up_to`` bytes is copied out as ``copy(header_of(entry), entry.buffer,
-        entry.length)`` under the shard lock (so its buffer cannot be reused meanwhile; a
+        ``copy_up_to`` bytes is copied out as ``copy(cached_header(entry, header_of),
+        entry.buffer, entry.length)`` under the shard lock (so its buffer cannot be reused meanwhile; a
         GET queues its reply so, ``ReplyBuffer.add_framed``), and its entry comes back not
         pinned (read only its metadata). A larger one comes back pinned, as by ``get``. None
         for a miss. One lock round trip, where pinning and unpinning a small object took two."""
@@ -261,7 +274,7 @@ class MemoryTier:
             shard.entries[key] = entry  # re-insert: most recently used goes last
             entry.tick = self._next_tick()
             if entry.length <= copy_up_to:
-                copy(header_of(entry), entry.buffer, entry.length)
+                copy(cached_header(entry, header_of), entry.buffer, entry.length)
             else:
                 entry.pins += 1
         finally:

@@ -155,6 +155,23 @@ def test_generations_share_objects(server_thread) -> None:
         assert v0.get("shared") == b"from v1"
 
 
+@pytest.mark.parametrize("size", [64, 1 << 20], ids=["copied", "pinned"])
+def test_each_generation_gets_its_own_reply_header_of_one_object(server_thread, size: int) -> None:
+    # An object keeps one cached reply header at a time: readers of the two generations,
+    # taking turns, must each get theirs (small objects are copied out under the shard
+    # lock, larger ones sent pinned: two paths to the cache).
+    meta = ObjectMeta(fmt=1, dtype=3, shape=(2, 32, 256, 1024), location=1)
+    value = (bytes(range(256)) * (size // 256 + 1))[:size]
+    with Wire(server_thread.host, server_thread.port, Generation.V1) as v1:
+        v1.put("turns", value, meta)
+        with Wire(server_thread.host, server_thread.port, Generation.V0) as v0:
+            for _ in range(3):
+                reply, body = v0.call(Command.GET, "turns")
+                assert (reply.status, reply.length, body) == (200, size, value)
+                reply, body = v1.call(Command.GET, "turns")
+                assert (reply.status, reply.length, reply.meta, body) == (200, size, meta, value)
+
+
 def test_forced_generation(make_server_thread) -> None:
     server = make_server_thread(protocol="v0")
     with Wire(server.host, server.port, Generation.V0) as w:
