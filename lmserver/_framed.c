@@ -11,6 +11,8 @@
 
 #include "_keyscan.h" /* lmproto's key scan: protocol/lmproto/_keyscan.h */
 
+#define FRAME_INTS 8 /* a reply frame's status and length, the two int32s it begins with */
+
 /* The descriptor in `fd`, or -1 with TypeError or ValueError (as the Python twin). */
 static int
 fd_of(PyObject *fd)
@@ -192,8 +194,8 @@ buffer_add(ReplyBuffer *self, PyObject *data)
 static PyObject *
 buffer_add_framed(ReplyBuffer *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "add_framed(header, buffer, length)");
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "add_framed(header, buffer)");
         return NULL;
     }
     PyObject *header = args[0];
@@ -201,24 +203,22 @@ buffer_add_framed(ReplyBuffer *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_Format(PyExc_TypeError, "header must be bytes, not %s", Py_TYPE(header)->tp_name);
         return NULL;
     }
+    Py_ssize_t head = PyBytes_GET_SIZE(header);
+    if (head < FRAME_INTS) {
+        PyErr_Format(PyExc_ValueError, "header must hold a status and a length (8 bytes), not %zd bytes", head);
+        return NULL;
+    }
     Py_buffer view;
     if (PyObject_GetBuffer(args[1], &view, PyBUF_SIMPLE) < 0) {
         return NULL;
     }
-    Py_ssize_t length = PyLong_AsSsize_t(args[2]);
-    if (length == -1 && PyErr_Occurred()) {
-        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) {
-            PyBuffer_Release(&view);
-            return NULL; /* not an int: TypeError, as the Python twin */
-        }
-        PyErr_Clear(); /* too large either way: the ValueError below */
-    }
+    /* The length the header announces: no int object to pass it in and read back per reply. */
+    int32_t length = read_i32_le((const unsigned char *)PyBytes_AS_STRING(header) + 4);
     int rc = -1;
     if (length < 0 || length > view.len) {
-        PyErr_Format(PyExc_ValueError, "length must be in 0..%zd, not %R", view.len, args[2]);
+        PyErr_Format(PyExc_ValueError, "the header's length must be in 0..%zd, not %d", view.len, (int)length);
     }
     else {
-        Py_ssize_t head = PyBytes_GET_SIZE(header);
         rc = buffer_reserve(self, head + length); /* no overflow: both are sizes of objects */
         if (rc == 0) {
             memcpy(self->data + self->length, PyBytes_AS_STRING(header), (size_t)head);
@@ -396,7 +396,7 @@ buffer_length(ReplyBuffer *self)
 static PyMethodDef buffer_methods[] = {
     {"add", (PyCFunction)buffer_add, METH_O, "add(data): data copied behind what is queued."},
     {"add_framed", (PyCFunction)(void (*)(void))buffer_add_framed, METH_FASTCALL,
-     "add_framed(header, buffer, length): header + buffer[:length] copied behind what is queued."},
+     "add_framed(header, buffer): a reply frame, header + the body it announces from buffer, queued."},
     {"add_exists", (PyCFunction)(void (*)(void))buffer_add_exists, METH_FASTCALL,
      "add_exists(buf, generation, start, end, shards, replies, stop_at_miss) -> (answered, hits): "
      "see lmserver/_framed.py."},

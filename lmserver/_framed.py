@@ -15,10 +15,11 @@ send never waits.
 
 Why ``ReplyBuffer``: a connection's small replies (bodiless answers, and GET replies of small
 objects, which the memory tier copies out under its shard lock with ``add_framed``: header and
-object in one copy) used to be one new bytes object each, joined or handed to ``writelines``
-at the end of the turn. A 4 KiB reply is above the sizes glibc's malloc keeps at hand, so each
-cost a full ``malloc`` and ``free``, and 16 pipelined ones a 16-buffer ``writelines``. Here
-they land in one buffer the connection keeps while it is busy, and leave with one ``send``.
+object in one copy, the object's length read from the header) used to be one new bytes object
+each, joined or handed to ``writelines`` at the end of the turn. A 4 KiB reply is above the
+sizes glibc's malloc keeps at hand, so each cost a full ``malloc`` and ``free``, and 16
+pipelined ones a 16-buffer ``writelines``. Here they land in one buffer the connection keeps
+while it is busy, and leave with one ``send``.
 The buffer grows as needed (the connection sends it before it passes ``REPLY_BUFFER_FLUSH``)
 and ``release`` frees it when the connection goes quiet. The C twin's memory is an anonymous
 mapping, as the staging buffers' are, so a released buffer goes back to the OS instead of
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import struct
 
 from lmproto._constants import REQUEST_SIZE, Command, Generation
 from lmproto._lookup import decode_lookup
@@ -36,6 +38,7 @@ from lmproto._lookup import decode_lookup
 from ._shard import shard_index
 
 Buffer = bytes | bytearray | memoryview | mmap.mmap
+_FRAME_INTS = struct.Struct("<ii")  # a reply frame's status and length, the two it begins with
 
 
 def send_nowait(fd: int, data: Buffer) -> int:
@@ -97,17 +100,23 @@ class ReplyBuffer:
         """Copy ``data`` behind what is queued. TypeError if ``data`` is not a buffer of bytes."""
         self._data += memoryview(data).cast("B")
 
-    def add_framed(self, header: bytes, buffer: Buffer, length: int) -> None:
-        """Copy ``header`` and then ``buffer[:length]`` behind what is queued. Raises ValueError
-        unless ``0 <= length <= len(buffer)`` (in bytes), TypeError if ``header`` is not bytes
-        or ``buffer`` not a buffer of bytes."""
+    def add_framed(self, header: bytes, buffer: Buffer) -> None:
+        """Copy a reply frame behind what is queued: ``header``, then as many bytes from the
+        start of ``buffer`` as the header's length field announces (its second little-endian
+        int32, as in every reply frame of SPEC.md; a caller that passed the length as an int
+        made an int object per 4 KiB GET).
+
+        Raises ValueError if ``header`` is shorter than 8 bytes or its length is not in
+        ``0..len(buffer)`` (in bytes), TypeError if ``header`` is not bytes or ``buffer`` not a
+        buffer of bytes."""
         if not isinstance(header, bytes):
             raise TypeError(f"header must be bytes, not {type(header).__name__}")
+        if len(header) < _FRAME_INTS.size:
+            raise ValueError(f"header must hold a status and a length (8 bytes), not {len(header)} bytes")
         view = memoryview(buffer).cast("B")
-        if not isinstance(length, int):
-            raise TypeError(f"length must be an int, not {type(length).__name__}")
+        length = _FRAME_INTS.unpack_from(header)[1]
         if not 0 <= length <= len(view):
-            raise ValueError(f"length must be in 0..{len(view)}, not {length}")
+            raise ValueError(f"the header's length must be in 0..{len(view)}, not {length}")
         self._data += header
         self._data += view[:length]
 

@@ -246,7 +246,7 @@ class LMProtocol(asyncio.BufferedProtocol):
         # compiled, a method call on it looks the method up by name.
         self.reply_buffer = ReplyBuffer()
         self._add_reply: Callable[[bytes], None] = self.reply_buffer.add
-        self._copy_reply: Callable[[bytes, Any, int], None] = self.reply_buffer.add_framed
+        self._copy_reply: Callable[[bytes, Any], None] = self.reply_buffer.add_framed
         self._add_exists: Callable[..., tuple[int, int]] = self.reply_buffer.add_exists
         # What add_exists looks keys up in: the memory tier's dicts. With tiers behind memory,
         # a key memory lacks may be in one of them, so a run stops at it (Store.contains).
@@ -1009,7 +1009,7 @@ class LMProtocol(asyncio.BufferedProtocol):
         entry is not pinned); else ``entry`` is pinned, and a small one is copied here and
         unpinned."""
         if not copied and entry.length <= self.small_reply:
-            self._copy_reply(cached_header(entry, self._reply_header), entry.buffer, entry.length)
+            self._copy_reply(cached_header(entry, self._reply_header), entry.buffer)
             self.store.memory.unpin(entry)
             copied = True
         if not copied:

@@ -120,15 +120,17 @@ class MemoryCounters:
 _shard_index: Final = shard_index
 
 
-CopyOut = Callable[[bytes, Buffer, int], object]
-"""How ``MemoryTier.read`` copies a small object out: ``copy(header, buffer, length)``."""
+CopyOut = Callable[[bytes, Buffer], object]
+"""How ``MemoryTier.read`` copies a small object out: ``copy(header, buffer)``, ``header`` what
+the reader's ``header_of`` made of the entry (so it knows the object's length: a reply header
+announces it) and ``buffer`` the buffer the object begins."""
 
 
 def _no_header(entry: Entry) -> bytes:
     return b""
 
 
-def _no_copy(header: bytes, buffer: Buffer, length: int) -> None:
+def _no_copy(header: bytes, buffer: Buffer) -> None:
     """``get`` copies nothing (it reads with ``copy_up_to`` -1)."""
 
 
@@ -260,7 +262,8 @@ class MemoryTier:
     ) -> Entry | None:
         """``get`` for a reader that copies small objects: an object of at most
         ``copy_up_to`` bytes is copied out as ``copy(cached_header(entry, header_of),
-        entry.buffer, entry.length)`` under the shard lock (so its buffer cannot be reused meanwhile; a
+        entry.buffer)`` under the shard lock (the header tells ``copy`` the object's length, a
+        reply's does) (so its buffer cannot be reused meanwhile; a
         GET queues its reply so, ``ReplyBuffer.add_framed``), and its entry comes back not
         pinned (read only its metadata). A larger one comes back pinned, as by ``get``. None
         for a miss. One lock round trip, where pinning and unpinning a small object took two."""
@@ -274,7 +277,7 @@ class MemoryTier:
             shard.entries[key] = entry  # re-insert: most recently used goes last
             entry.tick = self._next_tick()
             if entry.length <= copy_up_to:
-                copy(cached_header(entry, header_of), entry.buffer, entry.length)
+                copy(cached_header(entry, header_of), entry.buffer)
             else:
                 entry.pins += 1
         finally:

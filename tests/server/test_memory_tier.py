@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import struct
 import threading
 
 import pytest
@@ -149,11 +150,14 @@ def test_read_copies_small_objects_unpinned_and_pins_larger_ones() -> None:
     store(tier, "large", b"l" * 4096)
     out = ReplyBuffer()
 
+    def header(key: str, length: int) -> bytes:  # a reply header, as add_framed reads one
+        return struct.pack("<ii", 200, length) + key.encode()
+
     def read(key: str, copy_up_to: int) -> Entry | None:
-        return tier.read(key, copy_up_to, lambda entry: entry.key.encode() + b":", out.add_framed)
+        return tier.read(key, copy_up_to, lambda entry: header(entry.key, entry.length), out.add_framed)
 
     entry = read("small", 1000)
-    assert entry is not None and entry.pins == 0 and out.take() == b"small:" + b"s" * 100
+    assert entry is not None and entry.pins == 0 and out.take() == header("small", 100) + b"s" * 100
     tier.delete("small")  # nothing pinned it: its buffer goes back at once
     assert tier.pool.in_use == 4096
     entry = read("large", 1000)
@@ -162,10 +166,10 @@ def test_read_copies_small_objects_unpinned_and_pins_larger_ones() -> None:
     tier.unpin(entry)
     store(tier, "empty", b"")
     entry = read("empty", 1000)
-    assert entry is not None and out.take() == b"empty:"  # a hit with no bytes: the header alone
+    assert entry is not None and out.take() == header("empty", 0)  # a hit with no bytes: the header alone
     assert read("absent", 1000) is None and not len(out)
     entry = read("large", 4096)  # the limit is inclusive
-    assert entry is not None and entry.pins == 0 and out.take() == b"large:" + b"l" * 4096
+    assert entry is not None and entry.pins == 0 and out.take() == header("large", 4096) + b"l" * 4096
     assert (tier.counters.hits, tier.counters.misses) == (4, 1)
 
 
