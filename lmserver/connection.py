@@ -528,7 +528,7 @@ class LMProtocol(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int) -> memoryview:
         if self.body is not None:
             return self.body[self.body_pos : self.body_limit]
-        if not self.staging:
+        if self.staging is _NO_STAGING:  # not `not self.staging`: a generic truth test per read
             self._take_staging()
         if self.discard_left or not self.end:
             # Empty staging (always so while a body is dropped; usually so between

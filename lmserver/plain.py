@@ -139,7 +139,9 @@ class PlainTransport:
 
     def _on_readable(self) -> None:
         protocol = self._protocol
-        for _ in range(READS_PER_EVENT):
+        # A named counter, not `_`: compiled, `_` is an object variable (it is assigned in
+        # other scopes too), and each pass boxed the loop's int into it.
+        for _read in range(READS_PER_EVENT):
             try:
                 view = protocol.get_buffer(-1)
             except Exception as exc:
