@@ -139,8 +139,8 @@ class PlainTransport:
 
     def _on_readable(self) -> None:
         protocol = self._protocol
-        # A named counter, not `_`: compiled, `_` is an object variable (it is assigned in
-        # other scopes too), and each pass boxed the loop's int into it.
+        # A named counter, not `_`: compiled, mypyc gave `_` an object type here and boxed the
+        # loop's int into it on every pass.
         for _read in range(READS_PER_EVENT):
             try:
                 view = protocol.get_buffer(-1)
