@@ -11,7 +11,7 @@
 
 #include "_keyscan.h" /* lmproto's key scan: protocol/lmproto/_keyscan.h */
 
-#define FRAME_INTS 8 /* a reply frame's status and length, the two int32s it begins with */
+#define FRAME_INTS 8 /* a reply frame's status and length, the two int32s it begins with (V0_REPLY) */
 
 /* The descriptor in `fd`, or -1 with TypeError or ValueError (as the Python twin). */
 static int

@@ -30,15 +30,13 @@ from __future__ import annotations
 
 import mmap
 import os
-import struct
 
-from lmproto._constants import REQUEST_SIZE, Command, Generation
+from lmproto._constants import REQUEST_SIZE, V0_REPLY, Command, Generation
 from lmproto._lookup import decode_lookup
 
 from ._shard import shard_index
 
 Buffer = bytes | bytearray | memoryview | mmap.mmap
-_FRAME_INTS = struct.Struct("<ii")  # a reply frame's status and length, the two it begins with
 
 
 def send_nowait(fd: int, data: Buffer) -> int:
@@ -111,10 +109,10 @@ class ReplyBuffer:
         buffer of bytes."""
         if not isinstance(header, bytes):
             raise TypeError(f"header must be bytes, not {type(header).__name__}")
-        if len(header) < _FRAME_INTS.size:
+        if len(header) < V0_REPLY.size:  # status and length, what every reply frame begins with
             raise ValueError(f"header must hold a status and a length (8 bytes), not {len(header)} bytes")
         view = memoryview(buffer).cast("B")
-        length = _FRAME_INTS.unpack_from(header)[1]
+        length = V0_REPLY.unpack_from(header)[1]
         if not 0 <= length <= len(view):
             raise ValueError(f"the header's length must be in 0..{len(view)}, not {length}")
         self._data += header
