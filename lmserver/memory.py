@@ -262,9 +262,9 @@ class MemoryTier:
     ) -> Entry | None:
         """``get`` for a reader that copies small objects: an object of at most
         ``copy_up_to`` bytes is copied out as ``copy(cached_header(entry, header_of),
-        entry.buffer)`` under the shard lock, the header telling ``copy`` the object's length as
-        a reply's does (under the lock, so its buffer cannot be reused meanwhile; a
-        GET queues its reply so, ``ReplyBuffer.add_framed``), and its entry comes back not
+        entry.buffer)``, the header telling ``copy`` the object's length as a reply's does,
+        under the shard lock (so its buffer cannot be reused meanwhile; a GET queues its
+        reply so, ``ReplyBuffer.add_framed``), and its entry comes back not
         pinned (read only its metadata). A larger one comes back pinned, as by ``get``. None
         for a miss. One lock round trip, where pinning and unpinning a small object took two."""
         shard = self._shards[_shard_index(key, len(self._shards))]  # _shard(), inlined: the GET path

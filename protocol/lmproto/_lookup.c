@@ -62,6 +62,15 @@ decode_lookup(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return pair(command, key);
 }
 
+/* Releases keys[from:count]: the keys a failed call still holds. */
+static void
+release_keys(PyObject *keys[RUN_MAX], Py_ssize_t from, Py_ssize_t count)
+{
+    while (count > from) {
+        Py_DECREF(keys[--count]);
+    }
+}
+
 /* The keys of the run of lookups at buf[start:end] into keys[] (new references, at most
  * RUN_MAX of them), the command of the first header into *command; their count, or -1 with an
  * exception (nothing left in keys[]). Collected first, so the caller makes its tuple once at its
@@ -80,9 +89,7 @@ lookup_run(const unsigned char *buf, Py_ssize_t start, Py_ssize_t end, Py_ssize_
             }
             PyObject *key = ascii_key(buf + at + key_at);
             if (key == NULL) {
-                while (count > 0) {
-                    Py_DECREF(keys[--count]);
-                }
+                release_keys(keys, 0, count);
                 return -1;
             }
             if (PyUnicode_GET_LENGTH(key) == 0) {
@@ -135,9 +142,7 @@ decode_lookups(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *run = PyTuple_New(count);
     if (run == NULL) {
-        while (count > 0) {
-            Py_DECREF(keys[--count]);
-        }
+        release_keys(keys, 0, count);
         return NULL;
     }
     for (Py_ssize_t i = 0; i < count; i++) {
@@ -178,9 +183,7 @@ decode_lookups_into(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     empty_list(list);
     for (Py_ssize_t i = 0; i < count; i++) {
         if (PyList_Append(list, keys[i]) < 0) {
-            while (count > i) {
-                Py_DECREF(keys[--count]);
-            }
+            release_keys(keys, i, count);
             return NULL;
         }
         Py_DECREF(keys[i]); /* the list holds it now */
