@@ -16,6 +16,11 @@ as in an engine's steady state).
     python -m bench.versus --ops put --size 4M --clients 1 --baseline ../before  # PUT, A/B
     python -m bench.versus --ops put,get --size 4M --clients 1 --depths 1 --peer store  # #15 goal 2
 
+Before the first cell and after the last, a raw peer answers one client's sequential EXISTs
+for a second: the host's own round trip at the time, printed below the table with the run's
+CPU steal, and a warning when the two probes disagree or other guests took the CPU
+(bench/hostcheck.py). Two runs on hosts whose probes differ are not comparable cell by cell.
+
 ``--peer store`` (or ``raw``) puts a limit in Redis's place: a raw peer that stores nothing
 (bench/rawserver.py), measured in the same interleaved rounds, so a ratio to it does not carry
 the host's drift between two blocks of ``bench run``. ``--baseline DIR`` puts another checkout
@@ -35,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import report
+from . import hostcheck, report
 from .cli import measure_cell
 from .targets import Target, baseline_command, start_lmserver, start_raw, start_redis_local
 from .worker import CellSpec, ClientPool
@@ -68,13 +73,15 @@ def measure(
     }
 
 
-def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+def run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Every cell's row, and what the host was like over them (bench/hostcheck.py)."""
     # The baseline's command first: it refuses a folder that is no checkout before any server starts.
     baseline = None if args.baseline is None else baseline_command(args.baseline)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     clients = [int(c) for c in args.clients.split(",")]
-    pool = ClientPool(clients)
+    pool = ClientPool([*clients, 1])  # the host probe runs one client
+    probe = start_raw("host-probe")
     servers = [start_lmserver("lmserver", out, None, [], "1GiB")]
     if baseline is not None:
         servers.append(start_lmserver("baseline", out, baseline, [], "1GiB"))
@@ -85,13 +92,16 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     else:
         servers.append(start_redis_local(out))
     rows: list[dict[str, Any]] = []
+    host: dict[str, Any] = {}
     try:
-        for s in servers:
+        for s in [*servers, probe]:
             if s.spec is None:
                 raise SystemExit(f"{s.name}: {s.note}")
         for s in servers:
             if s.note:
                 print(f"note: {s.name} {s.note}", flush=True)
+        ticks = hostcheck.cpu_ticks()
+        host["probe_before_per_s"] = probe_host(pool, probe)
         print(header("baseline" if args.baseline is not None else PEERS[args.peer]), flush=True)
         size = report.parse_size(args.size)
         for op, n, depth in itertools.product(
@@ -103,11 +113,23 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     per[s.name].append(measure(pool, s, op, size, n, depth, args.duration))
             rows.append(summarize(op, size, n, depth, per, servers[1].name))
             print(format_row(rows[-1]), flush=True)
+        host["probe_after_per_s"] = probe_host(pool, probe)
+        host["steal"] = hostcheck.steal_share(ticks, hostcheck.cpu_ticks())
+        host["warnings"] = hostcheck.warnings(
+            host["probe_before_per_s"], host["probe_after_per_s"], host["steal"]
+        )
+        print(hostcheck.describe(host["probe_before_per_s"], host["probe_after_per_s"], host["steal"]))
     finally:
-        for s in servers:
+        for s in [*servers, probe]:
             s.stop()
         pool.close()
-    return rows
+    return rows, host
+
+
+def probe_host(pool: ClientPool, probe: Target) -> float | None:
+    """One client's sequential EXISTs per second against the raw peer (bench/hostcheck.py)."""
+    rate: float | None = measure(pool, probe, "exist", 4096, 1, 1, hostcheck.PROBE_SECONDS)["ops_per_s"]
+    return rate
 
 
 def summarize(
@@ -192,9 +214,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--ops: unknown {', '.join(sorted(unknown))} (choose from {', '.join(OPS)})")
     if args.baseline is not None and args.peer != "redis":
         parser.error("--baseline replaces --peer: give one of them")
-    rows = run(args)
+    rows, host = run(args)
     (args.out / "versus.json").write_text(
-        json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1)
+        json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "host": host, "rows": rows}, indent=1)
     )
     print(f"results: {args.out}")
     return 0

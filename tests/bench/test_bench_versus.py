@@ -133,3 +133,43 @@ def test_a_server_running_from_source_is_noted(
         assert (FROM_SOURCE in target.note) is pure, target.note
     finally:
         target.stop()
+
+
+def test_versus_reports_the_host_it_ran_on(tmp_path: Path) -> None:
+    """The host probe (a raw peer's sequential EXISTs, before and after the cells) and the
+    run's CPU steal are printed below the table and kept in the JSON."""
+    out = tmp_path / "host"
+    args = ["--ops", "exist", "--clients", "2", "--depths", "1", "--rounds", "1", "--duration", "0.05"]
+    proc = versus(*args, "--peer", "raw", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    host = json.loads((out / "versus.json").read_text())["host"]
+    assert host["probe_before_per_s"] > 0 and host["probe_after_per_s"] > 0
+    assert host["steal"] is None or 0 <= host["steal"] <= 1
+    assert isinstance(host["warnings"], list)
+    assert "host: a raw peer answered one client's sequential EXISTs at " in proc.stdout
+
+
+def test_host_check_reads_steal_and_flags_a_changing_host(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(REPO))  # bench/ is not installed: the checkout's
+    from bench import hostcheck
+
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 50 800 10 0 20 20 5 0\ncpu0 50 0 25 400 5 0 10 10 0 0\n")
+    before = hostcheck.cpu_ticks(stat)
+    assert before == hostcheck.CpuTicks(steal=20, total=1000)  # guest time is inside user time
+    stat.write_text("cpu  200 0 100 1500 10 0 40 150 9 0\n")
+    assert hostcheck.steal_share(before, hostcheck.cpu_ticks(stat)) == 0.13
+    for unreadable in ("", "intr 1 2 3\n", "cpu 1 2\n"):
+        stat.write_text(unreadable)
+        assert hostcheck.cpu_ticks(stat) is None
+    assert hostcheck.cpu_ticks(tmp_path / "missing") is None
+    assert hostcheck.steal_share(None, before) is None and hostcheck.steal_share(before, before) is None
+
+    assert hostcheck.warnings(12_000, 11_000, 0.001) == []
+    moved, busy = hostcheck.warnings(40_000, 12_000, 0.05)
+    assert "moved by 70%" in moved and "5.0% of the CPU time" in busy
+    assert hostcheck.warnings(None, 12_000, None) == []  # a probe that failed decides nothing
+    line = hostcheck.describe(12_000, None, None)
+    assert line.endswith("sequential EXISTs at 12.0k/s before the cells and -/s after")
