@@ -132,14 +132,14 @@ class BuildExt(build_ext):
 
 def _c_extensions(modules: list[str]) -> list[Extension]:
     """The hand-written C twins (``HAND_WRITTEN_C``): plain extensions, -O3 like mypyc's. They
-    may include lmproto's shared C headers (``_keyscan.h``)."""
-    shared = _source("lmproto._keyscan", ".h")
+    may include lmproto's shared C headers (``_keyscan.h``, ``_inplace.h``)."""
+    shared = [_source("lmproto._keyscan", ".h"), _source("lmproto._inplace", ".h")]
     return [
         Extension(
             m,
             [_source(m, ".c")],
-            include_dirs=[os.path.dirname(shared)],
-            depends=[shared],  # a change to the header rebuilds every twin
+            include_dirs=[os.path.dirname(shared[0])],
+            depends=shared,  # a change to a header rebuilds every twin
             extra_compile_args=["-O3"],
         )
         for m in modules

@@ -9,6 +9,7 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 
+#include "_inplace.h" /* lmproto's buffers read in place: protocol/lmproto/_inplace.h */
 #include "_keyscan.h" /* lmproto's key scan: protocol/lmproto/_keyscan.h */
 
 #define FRAME_INTS 8 /* a reply frame's status and length, the two int32s it begins with (V0_REPLY) */
@@ -55,12 +56,12 @@ send_nowait(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (fd < 0) {
         return NULL;
     }
-    Py_buffer view;
-    if (PyObject_GetBuffer(args[1], &view, PyBUF_SIMPLE) < 0) {
+    InPlace data;
+    if (inplace_get(args[1], &data, 0) < 0) {
         return NULL;
     }
-    ssize_t sent = send_all_it_takes(fd, view.buf, view.len);
-    PyBuffer_Release(&view);
+    ssize_t sent = send_all_it_takes(fd, data.buf, data.len);
+    inplace_release(&data);
     return PyLong_FromSsize_t(sent);
 }
 
@@ -78,20 +79,20 @@ recv_nowait(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (fd < 0) {
         return NULL;
     }
-    Py_buffer view;
-    if (PyObject_GetBuffer(args[1], &view, PyBUF_WRITABLE) < 0) {
+    InPlace into;
+    if (inplace_get(args[1], &into, 1) < 0) {
         return NULL;
     }
-    if (view.len == 0) {
-        PyBuffer_Release(&view);
+    if (into.len == 0) {
+        inplace_release(&into);
         PyErr_SetString(PyExc_ValueError, "recv_nowait into an empty buffer");
         return NULL;
     }
     ssize_t got;
     do {
-        got = recv(fd, view.buf, (size_t)view.len, MSG_DONTWAIT);
+        got = recv(fd, into.buf, (size_t)into.len, MSG_DONTWAIT);
     } while (got < 0 && errno == EINTR);
-    PyBuffer_Release(&view);
+    inplace_release(&into);
     if (got < 0) {
         if (errno == EAGAIN || errno == EWOULDBLOCK) {
             return PyLong_FromLong(-1);
@@ -175,16 +176,16 @@ buffer_reserve(ReplyBuffer *self, Py_ssize_t more)
 static PyObject *
 buffer_add(ReplyBuffer *self, PyObject *data)
 {
-    Py_buffer view;
-    if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE) < 0) {
+    InPlace from;
+    if (inplace_get(data, &from, 0) < 0) {
         return NULL;
     }
-    int rc = buffer_reserve(self, view.len);
+    int rc = buffer_reserve(self, from.len);
     if (rc == 0) {
-        memcpy(self->data + self->length, view.buf, (size_t)view.len);
-        self->length += view.len;
+        memcpy(self->data + self->length, from.buf, (size_t)from.len);
+        self->length += from.len;
     }
-    PyBuffer_Release(&view);
+    inplace_release(&from);
     if (rc < 0) {
         return NULL;
     }
@@ -208,25 +209,25 @@ buffer_add_framed(ReplyBuffer *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_Format(PyExc_ValueError, "header must hold a status and a length (8 bytes), not %zd bytes", head);
         return NULL;
     }
-    Py_buffer view;
-    if (PyObject_GetBuffer(args[1], &view, PyBUF_SIMPLE) < 0) {
+    InPlace body;
+    if (inplace_get(args[1], &body, 0) < 0) {
         return NULL;
     }
     /* The length the header announces: no int object to pass it in and read back per reply. */
     int32_t length = read_i32_le((const unsigned char *)PyBytes_AS_STRING(header) + 4);
     int rc = -1;
-    if (length < 0 || length > view.len) {
-        PyErr_Format(PyExc_ValueError, "the header's length must be in 0..%zd, not %d", view.len, (int)length);
+    if (length < 0 || length > body.len) {
+        PyErr_Format(PyExc_ValueError, "the header's length must be in 0..%zd, not %d", body.len, (int)length);
     }
     else {
         rc = buffer_reserve(self, head + length); /* no overflow: both are sizes of objects */
         if (rc == 0) {
             memcpy(self->data + self->length, PyBytes_AS_STRING(header), (size_t)head);
-            memcpy(self->data + self->length + head, view.buf, (size_t)length);
+            memcpy(self->data + self->length + head, body.buf, (size_t)length);
             self->length += head + length;
         }
     }
-    PyBuffer_Release(&view);
+    inplace_release(&body);
     if (rc < 0) {
         return NULL;
     }
@@ -305,6 +306,8 @@ buffer_add_exists(ReplyBuffer *self, PyObject *const *args, Py_ssize_t nargs)
     if (stop_at_miss < 0) {
         return NULL;
     }
+    /* An export, not inplace_get: the shard lookups below may run Python code (a key's
+     * __eq__), which must not be able to release or resize the buffer being scanned. */
     Py_buffer view;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
         return NULL;

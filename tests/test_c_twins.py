@@ -768,3 +768,91 @@ def test_recv_nowait_twins_agree_on_bad_arguments(socket_pair: tuple[socket.sock
     for receive in (_framed.recv_nowait, framed_reference.recv_nowait):
         with pytest.raises(BufferError):
             receive(fd, b"read-only")
+
+
+def _released(data: bytes) -> memoryview:
+    view = memoryview(bytearray(data))
+    view.release()
+    return view
+
+
+# Buffers the C twins read in place (lmproto/_inplace.h) where they took an export before,
+# each with the same bytes as an exported buffer (array.array: never read in place) says.
+IN_PLACE = [
+    pytest.param(lambda data: memoryview(bytearray(data)), id="memoryview"),
+    pytest.param(lambda data: memoryview(b"\xff" * 3 + data + b"\xff")[3:-1], id="view-slice"),
+    pytest.param(lambda data: memoryview(data).toreadonly(), id="read-only-view"),
+    pytest.param(lambda data: memoryview(bytearray(data)).cast("B", (2, len(data) // 2)), id="2-d-view"),
+    pytest.param(lambda data: memoryview(array.array("h", data)), id="view-of-shorts"),
+    pytest.param(bytearray, id="bytearray"),
+    pytest.param(bytes, id="bytes"),
+]
+# ... and those they must refuse exactly as the export did.
+REFUSED = [
+    pytest.param(_released, ValueError, id="released-view"),
+    pytest.param(lambda data: memoryview(bytes(2 * len(data)))[::2], BufferError, id="strided"),
+]
+
+
+def _outcome(call: Callable[..., Any], *args: Any) -> Any:
+    try:
+        return call(*args)
+    except Exception as exc:  # the kind of refusal is what must agree
+        return type(exc)
+
+
+HEADER = lmproto.encode_request(Command.GET, "chunk-7", generation=Generation.V1)  # 186 bytes: even
+IN_PLACE_IS_C = pytest.mark.skipif(
+    not (_native.is_compiled(_lookup) and _native.is_compiled(_framed)),
+    reason="reading in place is the C twins' (the pure build has none)",
+)
+
+
+def _in_place_calls(wrap: Callable[[bytes], Any], fd: int) -> list[Any]:
+    """Every C call that reads a buffer in place, given ``wrap(data)``: what each answers."""
+    header = HEADER
+    keys: list[str] = []
+    outcomes: list[Any] = [
+        _outcome(_lookup.decode_lookup, wrap(header), Generation.V1),
+        _outcome(_lookup.decode_lookups, wrap(header), Generation.V1, 0, len(header)),
+        (_outcome(_lookup.decode_lookups_into, wrap(header), Generation.V1, 0, len(header), keys), keys),
+        _outcome(_framed.send_nowait, fd, wrap(header)),
+    ]
+    for add in ("add", "add_framed"):
+        queued = _framed.ReplyBuffer()
+        args = (wrap(header),) if add == "add" else (_frame_header(100), wrap(header))
+        outcomes.append((_outcome(getattr(queued, add), *args), queued.take()))
+    return outcomes
+
+
+@IN_PLACE_IS_C
+@pytest.mark.parametrize("wrap", IN_PLACE)
+def test_buffers_read_in_place_answer_as_exported_ones(
+    wrap: Callable[[bytes], Any], socket_pair: tuple[socket.socket, socket.socket]
+) -> None:
+    ours, peer = socket_pair
+    exported = _in_place_calls(lambda data: array.array("B", data), ours.fileno())
+    assert _in_place_calls(wrap, ours.fileno()) == exported
+    assert exported[0] == (Command.GET, "chunk-7")
+    assert exported[-1] == (None, _frame_header(100) + HEADER[:100])
+    peer.setblocking(False)
+    sent = peer.recv(1000)
+    assert sent[: len(sent) // 2] == sent[len(sent) // 2 :]  # the same bytes went out both times
+    into = wrap(bytes(8))
+    if isinstance(into, bytes) or (isinstance(into, memoryview) and into.readonly):
+        assert _outcome(_framed.recv_nowait, ours.fileno(), into) is BufferError  # not writable
+    else:
+        peer.sendall(b"received")
+        assert _framed.recv_nowait(ours.fileno(), into) == 8 and bytes(into) == b"received"
+
+
+@IN_PLACE_IS_C
+@pytest.mark.parametrize(("wrap", "refusal"), REFUSED)
+def test_buffers_read_in_place_refuse_what_an_export_refuses(
+    wrap: Callable[[bytes], Any], refusal: type[Exception], socket_pair: tuple[socket.socket, socket.socket]
+) -> None:
+    ours = socket_pair[0]
+    outcomes = _in_place_calls(wrap, ours.fileno())
+    assert [*outcomes[:2], outcomes[3]] == [refusal] * 3
+    assert [outcomes[2], *outcomes[4:]] == [(refusal, []), (refusal, b""), (refusal, b"")]  # nothing kept
+    assert _outcome(_framed.recv_nowait, ours.fileno(), wrap(bytes(8))) is refusal

@@ -6,6 +6,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "_inplace.h"
 #include "_keyscan.h"
 
 #define RUN_MAX 64 /* keys per decode_lookups call: the _lookup.py twin's RUN_MAX */
@@ -46,19 +47,19 @@ decode_lookup(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (key_at < 0 || (nargs == 3 && read_index(args[2], &offset) < 0)) {
         return NULL;
     }
-    Py_buffer view;
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
+    InPlace buf; /* the scan allocates a str and runs no Python code */
+    if (inplace_get(args[0], &buf, 0) < 0) {
         return NULL;
     }
-    if (offset < 0 || view.len - offset < key_at + KEY_SIZE) {
-        PyBuffer_Release(&view);
+    if (offset < 0 || buf.len - offset < key_at + KEY_SIZE) {
+        inplace_release(&buf);
         return no_header();
     }
-    const unsigned char *header = (const unsigned char *)view.buf + offset;
+    const unsigned char *header = (const unsigned char *)buf.buf + offset;
     int32_t command = read_i32_le(header);
     int32_t length = read_i32_le(header + 4);
     PyObject *key = length ? PyUnicode_New(0, 0) : ascii_key(header + key_at);
-    PyBuffer_Release(&view);
+    inplace_release(&buf);
     return pair(command, key);
 }
 
@@ -112,17 +113,17 @@ lookup_args(PyObject *const *args, int32_t *command, PyObject *keys[RUN_MAX])
     if (key_at < 0 || read_index(args[2], &start) < 0 || read_index(args[3], &end) < 0) {
         return -1;
     }
-    Py_buffer view;
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
+    InPlace buf; /* the scan allocates strs and runs no Python code */
+    if (inplace_get(args[0], &buf, 0) < 0) {
         return -1;
     }
-    if (start < 0 || end > view.len || end - start < key_at + KEY_SIZE) {
-        PyBuffer_Release(&view);
+    if (start < 0 || end > buf.len || end - start < key_at + KEY_SIZE) {
+        inplace_release(&buf);
         no_header();
         return -1;
     }
-    Py_ssize_t count = lookup_run((const unsigned char *)view.buf, start, end, key_at, command, keys);
-    PyBuffer_Release(&view);
+    Py_ssize_t count = lookup_run((const unsigned char *)buf.buf, start, end, key_at, command, keys);
+    inplace_release(&buf);
     return count;
 }
 
