@@ -5,14 +5,55 @@
 #include <Python.h>
 #include <errno.h>
 #include <limits.h>
+#include <stdint.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include "_inplace.h" /* lmproto's buffers read in place: protocol/lmproto/_inplace.h */
 #include "_keyscan.h" /* lmproto's key scan: protocol/lmproto/_keyscan.h */
 
 #define FRAME_INTS 8 /* a reply frame's status and length, the two int32s it begins with (V0_REPLY) */
+
+/* memcpy, clear of a trap in x86's string copy. glibc copies a few KiB and more with `rep movsb`,
+ * which runs 10 to 30 times slower when the destination lies 1 to 31 bytes past the source
+ * modulo 4 KiB (each load waits on a store whose address looks the same in its low 12 bits).
+ * A GET reply walks straight into it: its 8-byte header goes first, so an object from a
+ * page-aligned slot lands 8 bytes past where it lies (and in a pipelined burst of 4 KiB
+ * replies, each next one 8 bytes further). There the copy runs backwards in 64-byte blocks,
+ * so no load follows a store to its alias: 4 KiB in ~100 ns where `rep movsb` took ~1,240
+ * (bench/PERFORMANCE.md, 2026-12-03). Copies below ALIAS_MIN take glibc's vector loop, which
+ * does not stall so. */
+#define ALIAS_MIN 2048
+#define ALIAS_WINDOW 32
+
+static inline void
+copy_bytes(char *to, const char *from, size_t n)
+{
+#if defined(__SSE2__)
+    size_t ahead = (size_t)((uintptr_t)to - (uintptr_t)from) & 4095;
+    if (n > ALIAS_MIN && ahead != 0 && ahead < ALIAS_WINDOW) {
+        size_t at = n;
+        while (at >= 64) {
+            at -= 64;
+            __m128i d = _mm_loadu_si128((const __m128i *)(from + at + 48));
+            __m128i c = _mm_loadu_si128((const __m128i *)(from + at + 32));
+            __m128i b = _mm_loadu_si128((const __m128i *)(from + at + 16));
+            __m128i a = _mm_loadu_si128((const __m128i *)(from + at));
+            _mm_storeu_si128((__m128i *)(to + at + 48), d);
+            _mm_storeu_si128((__m128i *)(to + at + 32), c);
+            _mm_storeu_si128((__m128i *)(to + at + 16), b);
+            _mm_storeu_si128((__m128i *)(to + at), a);
+        }
+        memcpy(to, from, at); /* the first n % 64 bytes: below any string-copy threshold */
+        return;
+    }
+#endif
+    memcpy(to, from, n);
+}
 
 /* The descriptor in `fd`, or -1 with TypeError or ValueError (as the Python twin). */
 static int
@@ -182,7 +223,7 @@ buffer_add(ReplyBuffer *self, PyObject *data)
     }
     int rc = buffer_reserve(self, from.len);
     if (rc == 0) {
-        memcpy(self->data + self->length, from.buf, (size_t)from.len);
+        copy_bytes(self->data + self->length, from.buf, (size_t)from.len);
         self->length += from.len;
     }
     inplace_release(&from);
@@ -223,7 +264,7 @@ buffer_add_framed(ReplyBuffer *self, PyObject *const *args, Py_ssize_t nargs)
         rc = buffer_reserve(self, head + length); /* no overflow: both are sizes of objects */
         if (rc == 0) {
             memcpy(self->data + self->length, PyBytes_AS_STRING(header), (size_t)head);
-            memcpy(self->data + self->length + head, body.buf, (size_t)length);
+            copy_bytes(self->data + self->length + head, body.buf, (size_t)length);
             self->length += head + length;
         }
     }

@@ -607,6 +607,31 @@ def test_reply_buffer_frees_its_memory_on_release(reply_buffer: Callable[[], Any
     assert queued.take() == b"again"  # usable after a release
 
 
+@REPLY_BUFFERS
+@pytest.mark.parametrize("size", [2048, 2049, 4096, 4159, 16_376])
+def test_reply_buffer_copies_whatever_its_source_lies_against_its_destination(
+    reply_buffer: Callable[[], Any], size: int
+) -> None:
+    """Every offset of the copy's destination past its source modulo 4 KiB, the window the C
+    twin copies backwards (1-31 bytes) and around it, copies the object byte for byte. The
+    C buffer is page-aligned and starts over after ``take``, so the object's destination is
+    the header's length past a page boundary: a source that far minus ``ahead`` past one is
+    ``ahead`` behind it."""
+    body = bytes(range(256)) * 80 + b"tail"  # no two 64-byte blocks alike: a misplaced one shows
+    with mmap.mmap(-1, 8192 + len(body)) as source:
+        queued = reply_buffer()
+        for ahead in [*range(0, 40), 63, 64, 65, 4064, 4095]:
+            header = _frame_header(size, b"")
+            at = (len(header) - ahead) % 4096
+            source[at : at + size] = body[:size]
+            queued.add_framed(header, memoryview(source)[at : at + size])
+            assert queued.take() == header + body[:size], ahead
+            at = -ahead % 4096  # add: the data goes first
+            source[at : at + size] = body[:size]
+            queued.add(memoryview(source)[at : at + size])
+            assert queued.take() == body[:size], ahead
+
+
 SENDERS = pytest.mark.parametrize(
     "send_nowait", [_framed.send_nowait, framed_reference.send_nowait], ids=["installed", "twin"]
 )
