@@ -5,10 +5,10 @@ times slower when the destination lies 1 to 31 bytes past the source modulo 4 Ki
 puts the object behind an 8-byte header, and pool slots are page-aligned, so that was where
 every reply of 2 KiB or more landed. This times, for a few such offsets (``ahead``), glibc's
 ``memcpy`` (a memoryview slice assignment, which calls it; the call adds the same ~100 ns to
-every row) and
-``ReplyBuffer.add_framed`` of the installed build (whose C twin copies backwards in that
-window; its buffer is page-aligned and starts over after ``take``, so the object lands the
-header's 8 bytes past a page boundary). Best of five rounds per cell, nanoseconds per copy.
+every row) and ``ReplyBuffer.add_framed`` of the installed build (whose C twin copies
+backwards in that window; its buffer is page-aligned and starts over after ``take``, so the
+object lands the header's 8 bytes past a page boundary). Best of five rounds per cell,
+nanoseconds per copy.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .drivers import bench_key, make_driver
+from .drivers import OneObject
 from .report import parse_size
 from .targets import Target, start_lmserver, start_redis_local
 
@@ -61,21 +61,11 @@ def perf_usable() -> str | None:
 def _drive(target: Target, command: str, size: int, depth: int, seconds: float, data: Path) -> float:
     """Requests per second while ``perf record`` samples ``target``, written to ``data``."""
     assert target.spec is not None and target.pid is not None
-    driver = make_driver(target.spec)
+    stored, idxs = OneObject(target.spec, target.name, size), [0] * depth
     try:
-        driver.prepare([bench_key(1, size, 0)], size)
-        if driver.put([0], memoryview(bytes(size))) != 1:
-            raise SystemExit(f"{target.name}: the priming PUT was refused")
-        dest, idxs = memoryview(bytearray(size)), [0] * depth
-
-        def one() -> None:
-            answered = driver.exist(idxs) if command == "exist" else driver.get(idxs, dest)[0]
-            if answered != depth:
-                raise SystemExit(f"{target.name}: {command} missed the stored key")
-
         warm_until = time.monotonic() + min(1.0, seconds)
         while time.monotonic() < warm_until:
-            one()
+            stored.ask(command, idxs)
         record = [
             *("perf", "record", "-q", "-e", "cpu-clock", "-F", str(FREQUENCY)),
             *("-o", str(data), "-p", str(target.pid)),
@@ -84,7 +74,7 @@ def _drive(target: Target, command: str, size: int, depth: int, seconds: float, 
         time.sleep(0.3)  # perf attaches before the first sampled request
         requests, started = 0, time.monotonic()
         while time.monotonic() - started < seconds:
-            one()
+            stored.ask(command, idxs)
             requests += depth
         elapsed = time.monotonic() - started
         recorder.send_signal(signal.SIGINT)
@@ -92,22 +82,22 @@ def _drive(target: Target, command: str, size: int, depth: int, seconds: float, 
         if recorder.returncode not in (0, -signal.SIGINT):
             raise SystemExit(f"perf record failed: {err.decode(errors='replace')[-300:]}")
     finally:
-        driver.close()
+        stored.close()
     return requests / elapsed
 
 
 SAMPLE_ROW = re.compile(r"^\s*[\d.]+%\s+(\d+)\s+(\S+)\s+\[([.k])\]\s+(.+?)\s*$")
 
 
-def read_profile(name: str, data: Path, requests: float, seconds: float) -> Profile:
-    """The samples of ``data`` per request (``requests`` per s over ``seconds``)."""
+def read_profile(name: str, data: Path, rate: float, seconds: float) -> Profile:
+    """The samples of ``data`` per request (``rate`` requests per s over ``seconds``)."""
     report = subprocess.run(
         ["perf", "report", "-i", str(data), "--stdio", "--show-nr-samples", "--sort", "dso,sym"],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
-    us_per_sample = 1e6 / FREQUENCY / (requests * seconds)
+    us_per_sample = 1e6 / FREQUENCY / (rate * seconds)
     kernel = user = 0.0
     functions: dict[str, float] = {}
     for line in report.splitlines():
@@ -120,7 +110,7 @@ def read_profile(name: str, data: Path, requests: float, seconds: float) -> Prof
         else:
             user += samples * us_per_sample
             functions[f"{dso}: {symbol}"] = samples * us_per_sample
-    return Profile(name, requests, kernel, user, functions)
+    return Profile(name, rate, kernel, user, functions)
 
 
 def profile(target: Target, command: str, size: int, depth: int, seconds: float, out: Path) -> Profile:

@@ -428,6 +428,29 @@ def make_driver(spec: TargetSpec) -> Driver:
     return LmDriver(spec)
 
 
+class OneObject:
+    """One object of ``size`` bytes stored on a server, then asked for again and again: the
+    load of ``bench.instructions --servers`` and ``bench.cpuprofile``. ``name`` labels errors."""
+
+    def __init__(self, spec: TargetSpec, name: str, size: int) -> None:
+        self.name = name
+        self.driver = make_driver(spec)
+        self.driver.prepare([bench_key(1, size, 0)], size)
+        self.dest = memoryview(bytearray(size))
+        if self.driver.put([0], memoryview(bytes(size))) != 1:
+            self.driver.close()
+            raise SystemExit(f"{name}: the priming PUT was refused")
+
+    def ask(self, command: str, idxs: list[int]) -> None:
+        """One round trip: an EXIST or GET of the object per entry of ``idxs`` (all 0)."""
+        hits = self.driver.exist(idxs) if command == "exist" else self.driver.get(idxs, self.dest)[0]
+        if hits != len(idxs):
+            raise SystemExit(f"{self.name}: {command} missed the stored key")
+
+    def close(self) -> None:
+        self.driver.close()
+
+
 def probe_put_ack(host: str, port: int, generation: int) -> bool:
     """Does an lm server answer PUT_ACK (an lmserver extension)? Probed with an empty body."""
     try:

@@ -42,7 +42,7 @@ from typing import Any
 from lmproto import REPLY_SIZE, Command, Generation
 from lmserver.logs import configure_logging
 
-from .drivers import bench_key, make_driver
+from .drivers import OneObject
 from .hotpath import feed, hot_connection
 from .targets import Target, baseline_command, start_lmserver, start_redis_local
 
@@ -126,11 +126,7 @@ def _count(target: Target, out: Path, work: Callable[[], None]) -> int:
 def _server_counts(target: Target, out: Path, requests: int) -> dict[tuple[str, int], float]:
     """Instructions per request of each SERVER_CASES case, the bench's client driving ``target``."""
     assert target.spec is not None
-    driver = make_driver(target.spec)
-    driver.prepare([bench_key(1, 4096, 0)], 4096)
-    body, dest = memoryview(bytes(4096)), memoryview(bytearray(4096))
-    if driver.put([0], body) != 1:
-        raise SystemExit(f"{target.name}: the priming PUT was refused")
+    stored = OneObject(target.spec, target.name, 4096)
     counts = {}
     for command, depth in SERVER_CASES:
         idxs = [0] * depth
@@ -138,12 +134,10 @@ def _server_counts(target: Target, out: Path, requests: int) -> dict[tuple[str, 
 
         def work(command: str = command, idxs: list[int] = idxs, rounds: int = rounds) -> None:
             for _ in range(rounds):
-                hits = driver.exist(idxs) if command == "exist" else driver.get(idxs, dest)[0]
-                if hits != len(idxs):
-                    raise SystemExit(f"{target.name}: {command} missed the stored key")
+                stored.ask(command, idxs)
 
         counts[command, depth] = _count(target, out, work) / (rounds * depth)
-    driver.close()
+    stored.close()
     return counts
 
 

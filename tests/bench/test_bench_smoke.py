@@ -7,6 +7,7 @@ and writes a results JSON, a markdown table and PNG plots with the expected stru
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -158,10 +159,17 @@ def test_given_lm_url_v1(tmp_path: Path) -> None:
         server.wait(15)
 
 
+def run_module(module: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``python -m module args``, run from the checkout, its output captured."""
+    run = [sys.executable, "-m", module, *args]
+    return subprocess.run(run, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
 def module_output(module: str, *args: str) -> str:
     """What ``python -m module args`` prints, run from the checkout; it must succeed."""
-    run = [sys.executable, "-m", module, *args]
-    return subprocess.run(run, cwd=REPO, capture_output=True, text=True, timeout=120, check=True).stdout
+    proc = run_module(module, *args)
+    proc.check_returncode()
+    return proc.stdout
 
 
 def test_hotpath_reports_every_row() -> None:
@@ -239,13 +247,7 @@ def test_instructions_counts_a_baseline_checkout_and_tables_it(
     assert plain[0].count("|") == 6 and plain[2] == "| exist | 1 | 20 | 20 | 1.00 |"
     with pytest.raises(SystemExit, match="not an lmserver checkout"):
         baseline_command(tmp_path)
-    refused = subprocess.run(
-        [sys.executable, "-m", "bench.instructions", "--baseline", str(REPO)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    refused = run_module("bench.instructions", "--baseline", str(REPO), timeout=60)
     assert refused.returncode == 2 and "--baseline goes with --servers" in refused.stderr
 
 
@@ -257,3 +259,37 @@ def test_object_overhead_prints_a_row_per_key_length() -> None:
     assert [int(length) for length, _ in rows] == [8, 150]
     for _, value in rows:
         float(value.replace(",", ""))  # a number, whatever its sign
+
+
+def test_copytrap_reports_each_size_at_each_offset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m bench.copytrap`` times every size at every offset (its figures are the
+    bench's to read, not a test's)."""
+    monkeypatch.syspath_prepend(str(REPO))
+    from bench.copytrap import AHEADS, SIZES
+
+    out = module_output("bench.copytrap", "--copies", "3")
+    cells = [row.strip("|").split("|") for row in out.splitlines()[2:]]
+    assert [(int(size), int(ahead)) for size, ahead, *_ in cells] == [(s, a) for s in SIZES for a in AHEADS]
+    assert all(float(ns.replace(",", "")) > 0 for *_, copied, framed in cells for ns in (copied, framed))
+
+
+def test_cpuprofile_reports_cpu_per_request_and_where_it_goes() -> None:
+    """``python -m bench.cpuprofile`` samples a real server under load and reports its CPU per
+    request, split into kernel and user space, with the user-space functions behind it."""
+    args = ["--targets", "lmserver", "--seconds", "0.5", "--top", "3"]
+    proc = run_module("bench.cpuprofile", *args, timeout=180)
+    if proc.returncode != 0 and "bench.cpuprofile: perf" in proc.stderr:
+        pytest.skip(proc.stderr.strip())  # no perf here, or not allowed to sample: the tool says which
+    assert proc.returncode == 0, proc.stderr
+    row = re.search(r"^\| lmserver \| ([\d,]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", proc.stdout, re.M)
+    assert row is not None, proc.stdout
+    rate, total, kernel, user = (float(x.replace(",", "")) for x in row.groups())
+    assert rate > 0 and total > 0 and abs(kernel + user - total) < 0.02
+    functions = proc.stdout.split("lmserver, user space, µs per request:\n")[1].splitlines()
+    assert 1 <= len(functions) <= 3 and all(re.match(r"^ +[\d.]+  \S", f) for f in functions)
+
+
+def test_cpuprofile_refuses_an_unknown_target() -> None:
+    proc = run_module("bench.cpuprofile", "--targets", "memcached", timeout=60)
+    assert proc.returncode != 0
+    assert "unknown target 'memcached'" in proc.stderr or "perf" in proc.stderr
