@@ -13,7 +13,13 @@ Two options belong to the chain and are understood for every kind:
 * ``mode``: ``write-behind`` (every PUT is copied here, best effort) or ``demote`` (only
   what the tier in front evicts lands here). Defaults per kind (``Tier`` classes say).
 * ``queue``: bytes of objects that may wait to be written to this tier (write-behind and
-  demotion together); past it a write is skipped and counted, never waited for.
+  demotion together).
+* ``full``: what happens when the tier's queue (or the memory share for objects waiting for
+  tiers, ``--dirty-limit``) is full: ``wait`` (a PUT's connection reads no more bodies until
+  the tier catches up, up to ``--memory-wait``; memory never drops an object this tier does
+  not hold yet) or ``skip`` (count it and go on). The default follows the mode: ``wait``
+  with ``write-behind`` (the operator asked for every object there), ``skip`` with
+  ``demote`` (a cold tier takes what it can of what memory lets go).
 
 Every other option is the tier's own; a tier reads them with the typed getters below and
 ``finish()`` rejects any it did not read, so a typo is a startup error, not a silent default.
@@ -31,7 +37,11 @@ from .base import ConfigError
 
 Mode = Literal["write-behind", "demote"]
 MODES: tuple[Mode, ...] = ("write-behind", "demote")
+Full = Literal["wait", "skip"]
+FULL_POLICIES: tuple[Full, ...] = ("wait", "skip")
 DEFAULT_QUEUE_BYTES = 256 * 1024**2
+MAX_SIZE = 1 << 60
+"""Sizes above an exbibyte are typos (or overflow attempts), never a real capacity."""
 _S = TypeVar("_S", bound=str)
 _SECRET = re.compile(r"(?<=[?&])(token|secret|password)=[^&]*", re.IGNORECASE)
 
@@ -81,16 +91,19 @@ class TierSpec:
         value = self._raw(name)
         return default if value is None else value
 
-    def size(self, name: str, default: int) -> int:
+    def size(self, name: str, default: int, *, minimum: int = 0) -> int:
         value = self._raw(name)
         if value is None:
             return default
         try:
-            return parse_size(value)
+            number = parse_size(value)
         except ValueError:
             raise self._fail(name, value, "a size such as 64GiB") from None
+        if not minimum <= number <= MAX_SIZE:
+            raise self._fail(name, value, f"a size from {minimum} bytes to 1EiB")
+        return number
 
-    def integer(self, name: str, default: int, *, minimum: int = 0) -> int:
+    def integer(self, name: str, default: int, *, minimum: int = 0, maximum: int = 1 << 31) -> int:
         value = self._raw(name)
         if value is None:
             return default
@@ -98,8 +111,8 @@ class TierSpec:
             number = int(value)
         except ValueError:
             raise self._fail(name, value, "an integer") from None
-        if number < minimum:
-            raise self._fail(name, value, f"an integer >= {minimum}")
+        if not minimum <= number <= maximum:
+            raise self._fail(name, value, f"an integer from {minimum} to {maximum}")
         return number
 
     def seconds(self, name: str, default: float, *, minimum: float = 0.0) -> float:
@@ -146,10 +159,18 @@ class ChainOptions:
 
     mode: Mode
     queue_bytes: int
+    full: Full = "skip"
+
+
+def default_full(mode: Mode) -> Full:
+    """``wait`` for a write-behind tier (it is to hold everything), ``skip`` for a demote one."""
+    return "wait" if mode == "write-behind" else "skip"
 
 
 def chain_options(spec: TierSpec, default_mode: Mode) -> ChainOptions:
+    mode = spec.choice("mode", MODES, default_mode)
     return ChainOptions(
-        mode=spec.choice("mode", MODES, default_mode),
+        mode=mode,
         queue_bytes=spec.size("queue", DEFAULT_QUEUE_BYTES),
+        full=spec.choice("full", FULL_POLICIES, default_full(mode)),
     )
