@@ -45,8 +45,11 @@ class ServerConfig:
     fsync: Literal["always", "batch", "never"] = "never"
     disk_direct: Literal["auto", "off"] = "auto"  # O_DIRECT writes of large objects
     # Bytes of objects queued for the disk tier's writes (write-behind and demotion); past
-    # it a write is skipped and counted, never waited for.
+    # it write_behind_full decides: wait (throttle the PUT's connection) or skip (count).
     write_behind_limit: int = 256 * 1024**2
+    write_behind_full: Literal["wait", "skip"] = "wait"
+    # Memory objects waiting for tier writes may hold (None: half of memory_limit).
+    dirty_limit: int | None = None
     # Tiers behind memory (and behind --disk), in order: KIND:TARGET?OPTION=VALUE&...
     tiers: tuple[str, ...] = ()
     # Connections and requests
@@ -88,6 +91,8 @@ class ServerConfig:
         _choice("--fsync", self.fsync, ("always", "batch", "never"))
         _choice("--disk-direct", self.disk_direct, ("auto", "off"))
         _check(self.write_behind_limit >= 0, "--write-behind-limit must not be negative")
+        _choice("--write-behind-full", self.write_behind_full, ("wait", "skip"))
+        _check(self.dirty_limit is None or self.dirty_limit > 0, "--dirty-limit must be positive")
         _check(self.max_connections >= 1, "--max-connections must be at least 1")
         _check(self.max_connections_per_address >= 1, "--max-connections-per-address must be at least 1")
         _seconds("--idle-timeout", self.idle_timeout)

@@ -813,6 +813,18 @@ class LMProtocol(asyncio.BufferedProtocol):
                 counter="refused_too_large",
             )
             return
+        if not self.store.room_for(req.length):
+            # A full=wait tier is behind: read this body (and what follows it on this
+            # connection) only once it has caught up (Store.room_for).
+            self.counters["put_waits_tier"] += 1
+            self._await(
+                self.store.wait_for_room(req.length, self.config.put_wait_timeout),
+                lambda room: self._reserve_put(req, room),
+            )
+            return
+        self._reserve_put(req, True)
+
+    def _reserve_put(self, req: Request, room: bool) -> None:
         # Charge only what is staged, plus room for one read (module docstring).
         first = self.end - self.start + STAGING_SIZE
         # A body that fits the first charge is charged whole: a fully charged buffer is reused.
@@ -822,28 +834,30 @@ class LMProtocol(asyncio.BufferedProtocol):
             self.counters["put_waits_memory"] += 1
             self._await(
                 self.store.reserve_wait(req.length, self.config.put_wait_timeout, upfront),
-                lambda entry: self._receive_put(req, entry),
+                lambda entry: self._receive_put(req, entry, room),
             )
             return
-        self._receive_put(req, entry)
+        self._receive_put(req, entry, room)
 
-    def _receive_put(self, req: Request, entry: Entry | None) -> None:
+    def _receive_put(self, req: Request, entry: Entry | None, room: bool) -> None:
         if entry is None:
             self._time_end(req.command)
             self._refuse(req, Status.NO_SPACE, "memory is full of objects in use", counter="refused_no_space")
             return
         self.body_entry = entry
         self.body_request = req
-        self._receive_body(memoryview(entry.buffer)[: req.length], lambda: self._finish_put(req, entry))
+        self._receive_body(memoryview(entry.buffer)[: req.length], lambda: self._finish_put(req, entry, room))
         if self.body is not None:
             self.body_limit = min(entry.charged, req.length)
             if self.body_pos == self.body_limit:
                 self._grow_body()
 
-    def _finish_put(self, req: Request, entry: Entry) -> None:
+    def _finish_put(self, req: Request, entry: Entry, room: bool) -> None:
         self.body_entry = self.body_request = None
         meta = req.meta if req.generation == Generation.V1 else NO_META
-        persisted = self.store.commit(req.key, entry, meta, acknowledged=req.command == Command.PUT_ACK)
+        persisted = self.store.commit(
+            req.key, entry, meta, acknowledged=req.command == Command.PUT_ACK, room=room
+        )
         self.counters["puts"] += 1
         self.counters["put_bytes"] += req.length
         if req.command != Command.PUT_ACK or persisted is None:

@@ -49,7 +49,10 @@ def build_tiers(config: ServerConfig) -> list[tuple[Tier, ChainOptions]]:
         disk = DiskTier(
             config.disk, capacity=config.disk_limit, fsync=config.fsync, direct=config.disk_direct
         )
-        tiers.append((disk, ChainOptions(mode=disk.default_mode, queue_bytes=config.write_behind_limit)))
+        options = ChainOptions(
+            mode=disk.default_mode, queue_bytes=config.write_behind_limit, full=config.write_behind_full
+        )
+        tiers.append((disk, options))
     for text in config.tiers:
         tiers.append(registry.build(TierSpec.parse(text)))
     return tiers
@@ -62,6 +65,7 @@ class Server:
             MemoryTier(config.memory_limit),
             build_tiers(config),
             memory_wait=config.put_wait_timeout,
+            dirty_limit=config.dirty_limit,
         )
         self.state = ServerState(config=config, store=store, access=AccessList(config.allow))
         self._server: PlainListener | None = None  # the plain listener (plain.py)

@@ -92,3 +92,24 @@ def test_a_server_whose_s3_transfer_hung_still_exits(spawn_server, tmp_path: Pat
             assert wait_for(w, "timeouts", 1)["healthy"] is False
             assert w.get("k") == value("k", 10 * KiB)  # memory still serves it
         assert proc.terminate(timeout=60) == 0
+
+
+def test_a_write_behind_bucket_keeps_a_burst_larger_than_memory(spawn_server, s3: S3Server) -> None:
+    """60 plain PUTs of 1 MiB through 32 MiB of memory into an S3 tier slower than the
+    client, at the remote default full=skip: writes the queue cannot take are skipped and
+    counted, and those objects reach the bucket when memory evicts them (clean ones go
+    first) or at the clean stop. A fresh server serves all 60 from the bucket."""
+    spec = obj_spec(s3, s3.bucket(), capacity="1GiB", mode="write-behind")
+    proc = spawn_server("--tier", spec, "--memory-limit", "32MiB")
+    keys = [f"burst{i}" for i in range(60)]
+    with Wire(proc.host, proc.port) as w:
+        w.send_raw(b"".join(w.frame(Command.PUT, k, value(k, 1024 * KiB), META) for k in keys))
+        assert w.get(keys[-1]) == value(keys[-1], 1024 * KiB)
+        _reply, body = w.call(Command.STATS)
+        memory = decode_json(body)["tiers"][0]
+        assert memory["demotions_dropped"] == 0, memory
+    assert proc.terminate(timeout=60) == 0
+    proc.restart()
+    with Wire(proc.host, proc.port) as w:
+        for key in keys:
+            assert w.get(key) == value(key, 1024 * KiB), key
