@@ -328,8 +328,11 @@ class AsyncClient(BaseClient):
     async def _run_all(self, batches: list[Batch]) -> list[list[Any]]:
         """Each batch's results, the batches running concurrently (each on its own lane,
         or pipelined on a shared one); the first error once all have finished."""
-        if len(batches) == 1 and not batches[0].settle:
-            return [await self._run(batches[0])]
+        if len(batches) == 1:  # no task to create
+            try:
+                return [await self._run(batches[0])]
+            except LMClientError as exc:
+                return settle(batches, [exc])
         outcomes = await asyncio.gather(*(self._run(batch) for batch in batches), return_exceptions=True)
         return settle(batches, outcomes)
 

@@ -15,7 +15,8 @@ Parameters (``adapter_params``; LMServerL2AdapterConfig checks them when the ser
 - ``timeout`` (5): seconds one wait for the network may take (connect: at most 2).
 - ``task_timeout`` (10): seconds one task (store, lookup, load, delete, listing) may take
   in all; it then completes as a failure.
-- ``max_connections`` (8): connections per server (lanes; each key uses one).
+- ``max_connections`` (2): connections per server for stores, loads and deletes (each key
+  uses one, its lane); lookups, HEALTH and listings have one more of their own.
 - ``retries`` (1): immediate reconnect-and-retry attempts before a server counts as down.
 - ``capacity_bytes`` (0): the capacity LMCache's own L2 eviction sees (with ``"eviction"``
   in the JSON); 0 leaves eviction to lmserver (its LRU and ``--memory-limit``).
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import itertools
 import logging
 import threading
@@ -68,7 +70,7 @@ from ._config import Retry, Timeout, parse_servers, url_wants_tls
 from ._exceptions import BufferTooSmall, LMClientError, ReadError, TensorMismatch
 from ._failures import FailureLog
 from ._l2keys import KeyFields, object_name, parse_name
-from ._ops import Op
+from ._ops import Batch, Flow, Op
 from ._wire import Received, readable_view, writable_view
 
 __all__ = ["LMServerL2Adapter", "LMServerL2AdapterConfig", "adapter_spec"]
@@ -91,7 +93,7 @@ class LMServerL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
         "url": (str, None),
         "timeout": (float, 5.0),
         "task_timeout": (float, 10.0),
-        "max_connections": (int, 8),
+        "max_connections": (int, 2),
         "retries": (int, 1),
         "capacity_bytes": (int, 0),
         "health_interval": (float, 1.0),
@@ -102,7 +104,7 @@ class LMServerL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
         url: str,
         timeout: float = 5.0,
         task_timeout: float = 10.0,
-        max_connections: int = 8,
+        max_connections: int = 2,
         retries: int = 1,
         capacity_bytes: int = 0,
         health_interval: float = 1.0,
@@ -152,7 +154,7 @@ class LMServerL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
             "- url (str, required): lm://host:port[,host:port...] or lms://...\n"
             "- timeout (float, 5): seconds one network wait may take\n"
             "- task_timeout (float, 10): seconds one store/lookup/load/delete may take\n"
-            "- max_connections (int, 8): connections per server\n"
+            "- max_connections (int, 2): data connections per server (+1 for lookups)\n"
             "- retries (int, 1): reconnect-and-retry attempts before a server counts as down\n"
             "- capacity_bytes (int, 0): capacity for LMCache-side eviction (0: lmserver evicts)\n"
             "- health_interval (float, 1): seconds between HEALTH probes"
@@ -183,14 +185,19 @@ def _fields(key: ObjectKey) -> KeyFields:
 
 def _meta(obj: MemoryObj) -> ObjectMeta:
     """The v1 meta stored with an object: its format, and dtype and shape where it has one
-    tensor of at most 4 dimensions (else 0s: such layouts are checked by size alone)."""
-    fmt = int(obj.get_memory_format().value)
-    try:
-        shapes, dtypes = obj.get_shapes(), obj.get_dtypes()
-    except AssertionError:  # an object of one tensor may only have get_shape/get_dtype
-        shapes, dtypes = [obj.get_shape()], [obj.get_dtype()]
+    tensor of at most 4 dimensions (else 0s: such layouts are checked by size alone). Read
+    from ``obj.meta``: the accessors take the object's lock, which cost ~0.1 ms per object
+    on a busy host (a GIL hand-off), more than sending a 256 KiB chunk."""
+    meta = obj.meta
+    shapes = meta.shapes or [meta.shape]
+    dtypes = meta.dtypes or [meta.dtype]
+    return _layout_meta(int(meta.fmt.value), tuple(tuple(int(n) for n in s) for s in shapes), tuple(dtypes))
+
+
+@functools.lru_cache(maxsize=64)
+def _layout_meta(fmt: int, shapes: tuple[tuple[int, ...], ...], dtypes: tuple[Any, ...]) -> ObjectMeta:
     if len(shapes) == 1 and len(dtypes) == 1 and len(shapes[0]) <= 4:
-        shape = (*(int(n) for n in shapes[0]), 0, 0, 0, 0)[:4]
+        shape = (*shapes[0], 0, 0, 0, 0)
         return ObjectMeta(fmt, DTYPE_TO_INT.get(dtypes[0], 0), (shape[0], shape[1], shape[2], shape[3]))
     return ObjectMeta(fmt, 0, (0, 0, 0, 0))
 
@@ -220,6 +227,11 @@ class _Target:
 
 def _loaded(received: Received) -> bool:
     return True
+
+
+def _together(batches: list[Batch]) -> Flow[list[list[Any]]]:
+    """A flow that runs ``batches`` concurrently and returns each one's results."""
+    return (yield batches)  # type: ignore[no-any-return]
 
 
 # ---------------------------------------------------------------------------------------
@@ -265,7 +277,11 @@ class LMServerL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         self._loop = self._new_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="lmserver-l2", daemon=True)
         self._thread.start()
-        self.client: AsyncClient = self._on_loop(self._make_client(), CLOSE_TIMEOUT)
+        # Stores, loads and deletes travel on ``client``, each key on its lane; lookups, HEALTH
+        # and listings on ``control``'s one connection per server, so they never queue
+        # behind a lane's 32 MiB loads.
+        self.client: AsyncClient = self._on_loop(self._make_client(config.max_connections), CLOSE_TIMEOUT)
+        self.control: AsyncClient = self._on_loop(self._make_client(1), CLOSE_TIMEOUT)
         self._probe = asyncio.run_coroutine_threadsafe(self._probe_forever(), self._loop)
         log.info("lmserver L2 adapter: %s (task timeout %.1fs)", config.url, config.task_timeout)
 
@@ -277,13 +293,13 @@ class LMServerL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             return asyncio.new_event_loop()
         return uvloop.new_event_loop()
 
-    async def _make_client(self) -> AsyncClient:
+    async def _make_client(self, connections: int) -> AsyncClient:
         c = self.config
         return AsyncClient(
             servers=parse_servers(c.url),
             timeout=Timeout(c.timeout, connect=min(2.0, c.timeout)),
             retry=Retry(retries=c.retries, base=0.05, cap=0.5),
-            max_connections=c.max_connections,
+            max_connections=connections,
             skip_down=True,  # a server that fails is skipped (its keys miss) and tried again later
             ssl=True if url_wants_tls(c.url) else None,
         )
@@ -305,35 +321,38 @@ class LMServerL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     # -- tasks: scheduled on the loop, bounded, always completed ---------------------------
 
     def _submit(
-        self, results: _Results, work: Callable[[], Awaitable[Any]], failure: Any, names: Sequence[str]
+        self, results: _Results, work: Callable[[list[str]], Awaitable[Any]], failure: Any
     ) -> L2TaskId:
+        """Schedule ``work`` on the loop and return its task id at once: everything else
+        (keys, requests) happens on the loop thread, so the caller's thread (a storage
+        controller's) and the loop's do not contend for the GIL."""
         with self._lock:
             task_id = next(self._ids)
             self._pending += 1
         if self._closed:
             self._complete(results, task_id, failure)
         else:
-            coro = self._bounded(results, task_id, work, failure, names)
-            asyncio.run_coroutine_threadsafe(coro, self._loop)
+            asyncio.run_coroutine_threadsafe(self._bounded(results, task_id, work, failure), self._loop)
         return task_id
 
     async def _bounded(
         self,
         results: _Results,
         task_id: int,
-        work: Callable[[], Awaitable[Any]],
+        work: Callable[[list[str]], Awaitable[Any]],
         failure: Any,
-        names: Sequence[str],
     ) -> None:
-        outcome = failure
+        """Run ``work``, which lists in its argument the keys whose requests reference L1
+        buffers; bounded by the task timeout, and completed whatever happens."""
+        outcome, touched = failure, list[str]()
         try:
             async with asyncio.timeout(self._task_timeout):
-                outcome = await work()
+                outcome = await work(touched)
         except TimeoutError as exc:
-            self._abandon(names)
+            self._abandon(touched)
             self._failures.record("task (timed out)", exc)
         except Exception as exc:  # a bug or an unexpected error: still a completed task
-            self._abandon(names)
+            self._abandon(touched)
             self._failures.record("task", exc)
         finally:
             self._complete(results, task_id, outcome)
@@ -362,14 +381,14 @@ class LMServerL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     # -- store ----------------------------------------------------------------------------
 
     def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
-        names = [object_name(_fields(k)) for k in keys]
         return self._submit(
-            self._stores, lambda: self._store(keys, names, objects), L2StoreResult(False, 0), names
+            self._stores, lambda names: self._store(keys, names, objects), L2StoreResult(False, 0)
         )
 
     async def _store(
         self, keys: list[ObjectKey], names: list[str], objects: list[MemoryObj]
     ) -> L2StoreResult:
+        names += [object_name(_fields(k)) for k in keys]
         views = [readable_view(obj.byte_array) for obj in objects]
         put = self.client._commands.put
         ops: list[Op[Any]] = [
@@ -403,11 +422,28 @@ class LMServerL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     def submit_lookup_and_lock_task(
         self, keys: list[ObjectKey], group_layout_descs: dict[int, MemoryLayoutDesc]
     ) -> L2TaskId:
-        names = [object_name(_fields(k)) for k in keys]
-        return self._submit(self._lookups, lambda: self._lookup(names), Bitmap(len(keys)), names)
+        return self._submit(self._lookups, lambda _: self._lookup(keys), Bitmap(len(keys)))
 
-    async def _lookup(self, names: list[str]) -> Bitmap:
-        hits = await self.client.exists_many(names)
+    async def _lookup(self, keys: list[ObjectKey]) -> Bitmap:
+        names = [object_name(_fields(k)) for k in keys]
+        # One EXIST_MANY per server, on the control connection: one round trip, never
+        # behind a load. Stores are acknowledged before their task completes, so a lookup
+        # needs no ordering with the keys' lanes to see them.
+        placement, commands = self.control._placement, self.control._commands
+        by_server: dict[int, list[int]] = {}
+        for index, name in enumerate(names):
+            by_server.setdefault(placement.server(name), []).append(index)
+        batches = [
+            Batch(commands.exist_many([names[i] for i in indexes]), server=server, settle=True)
+            for server, indexes in by_server.items()
+        ]
+        parts = await self.control._call(_together(batches))
+        hits = [False] * len(names)
+        for indexes, part in zip(by_server.values(), parts, strict=True):
+            answers = [hit for chunk in part if isinstance(chunk, list) for hit in chunk]
+            if len(answers) == len(indexes):  # else that server failed: its keys miss
+                for index, hit in zip(indexes, answers, strict=True):
+                    hits[index] = hit
         bitmap = Bitmap(len(names))
         with self._lock:
             for i, hit in enumerate(hits):
@@ -437,10 +473,10 @@ class LMServerL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     # -- load -------------------------------------------------------------------------------
 
     def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
-        names = [object_name(_fields(k)) for k in keys]
-        return self._submit(self._loads, lambda: self._load(keys, names, objects), Bitmap(len(keys)), names)
+        return self._submit(self._loads, lambda names: self._load(keys, names, objects), Bitmap(len(keys)))
 
     async def _load(self, keys: list[ObjectKey], names: list[str], objects: list[MemoryObj]) -> Bitmap:
+        names += [object_name(_fields(k)) for k in keys]
         targets = [_Target(obj) for obj in objects]
         get_with = self.client._commands.get_with
         ops: list[Op[Any]] = [
@@ -518,7 +554,7 @@ class LMServerL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         prefix = f"{model_name}@" if model_name else ""
         try:
             entries, after = self._on_loop(
-                self.client.list_page(prefix, after=cursor or "", limit=page_size), self._task_timeout
+                self.control.list_page(prefix, after=cursor or "", limit=page_size), self._task_timeout
             )
         except (LMClientError, TimeoutError, concurrent.futures.TimeoutError) as exc:
             raise ConnectionError(f"lmserver listing failed: {type(exc).__name__}: {exc}") from None
@@ -540,7 +576,7 @@ class LMServerL2Adapter(L2AdapterInterface):  # type: ignore[misc]
 
     async def _probe_forever(self) -> None:
         """HEALTH to every server every ``health_interval`` seconds (bounded by its timeout)."""
-        client = self.client
+        client = self.control
         while True:
             try:
                 answers = await client._call(client._everywhere(client._commands.health, self.config.timeout))
@@ -552,7 +588,8 @@ class LMServerL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     def report_status(self) -> dict[str, Any]:
         now = time.monotonic()
         servers = self.client.settings.servers
-        down_now = {str(s.address) for s in self.client._servers if s.retry_at > now}
+        states = [*self.client._servers, *self.control._servers]
+        down_now = {str(s.address) for s in states if s.retry_at > now}
         probed = self._healthy if len(self._healthy) == len(servers) else [False] * len(servers)
         fresh = now - self._probed < 3 * self.config.health_interval + self.config.timeout
         state = {
@@ -573,6 +610,7 @@ class LMServerL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             "counts": counts,
             "failures": dict(self._failures.counts()),
             "client": self.client.counters,
+            "control": self.control.counters,
         }
 
     def close(self) -> None:
@@ -599,7 +637,8 @@ class LMServerL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         )
 
     async def _shutdown(self) -> None:
-        await self.client.aclose()  # closes every connection at once, then waits for its reader
+        for client in (self.client, self.control):
+            await client.aclose()  # closes every connection at once, then waits for its reader
         others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         for task in others:
             task.cancel()
