@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .targets import Target, start_lmserver, start_redis_local
+from .targets import Target, server_sample, start_lmserver, start_redis_local
 
 BATCH = 16
 """Keys per store, lookup and load task (the reference measurements' batches)."""
@@ -157,8 +157,37 @@ def _load(adapter: Any, keys: list[Any], objs: list[Any], timeout: float) -> tup
     return time.perf_counter() - start, loaded
 
 
+class _Cpu:
+    """CPU seconds this process and the server (if any) use between `start` and `stop`:
+    the adapters' own threads (resp's C++ workers included) and the server's whole process."""
+
+    def __init__(self, server_pid: int | None) -> None:
+        self.pid = server_pid
+        self.client = self.server = 0.0
+
+    def _now(self) -> tuple[float, float]:
+        sample = server_sample(self.pid)
+        return time.process_time(), sample[0] if sample else 0.0
+
+    def __enter__(self) -> _Cpu:
+        self._start = self._now()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        end = self._now()
+        self.client, self.server = end[0] - self._start[0], end[1] - self._start[1]
+
+
 def _measure(
-    name: str, adapter: Any, size: int, count: int, rnd: int, src: _Buffers, dst: _Buffers, lookups: int
+    name: str,
+    adapter: Any,
+    server_pid: int | None,
+    size: int,
+    count: int,
+    rnd: int,
+    src: _Buffers,
+    dst: _Buffers,
+    lookups: int,
 ) -> dict[str, Any]:
     from lmcache.v1.distributed.api import ObjectKey
 
@@ -173,9 +202,11 @@ def _measure(
         obj.raw_data.zero_()
     timeout = 120.0
     try:
-        store_s = _store(adapter, keys, src.objs, timeout)
+        with _Cpu(server_pid) as store_cpu:
+            store_s = _store(adapter, keys, src.objs, timeout)
         lookup_ms = sorted(_lookup(adapter, keys, lookups, timeout))
-        load_s, loaded = _load(adapter, keys, dst.objs, timeout)
+        with _Cpu(server_pid) as load_cpu:
+            load_s, loaded = _load(adapter, keys, dst.objs, timeout)
         verified = dst.matches(seed)
     finally:
         adapter.delete(keys)
@@ -191,6 +222,9 @@ def _measure(
         "lookup_p99_ms": lookup_ms[min(len(lookup_ms) - 1, round(0.99 * (len(lookup_ms) - 1)))],
         "loaded": loaded,
         "verified": verified,
+        # CPU microseconds per chunk: this process (client), the server process (0 for fs)
+        "store_cpu_us": [store_cpu.client / count * 1e6, store_cpu.server / count * 1e6],
+        "load_cpu_us": [load_cpu.client / count * 1e6, load_cpu.server / count * 1e6],
     }
 
 
@@ -245,7 +279,9 @@ def run_lmcache_l2_bench(
                 for rnd in range(rounds):
                     order = names[rnd % len(names) :] + names[: rnd % len(names)]
                     for name in order:
-                        rows.append(_measure(name, adapters[name], size, count, rnd, src, dst, lookups))
+                        target = targets.get(name)
+                        pid = target.pid if target is not None else None
+                        rows.append(_measure(name, adapters[name], pid, size, count, rnd, src, dst, lookups))
         finally:
             for adapter in adapters.values():
                 adapter.close()
@@ -274,8 +310,9 @@ def format_lmcache_l2(doc: dict[str, Any]) -> str:
         f"({doc['lookups']} per round); "
         "median (min-max) over rounds",
         "",
-        "| chunk | adapter | store GB/s | load GB/s | lookup p50 ms | lookup p99 ms | verified |",
-        "|---|---|---|---|---|---|---|",
+        "| chunk | adapter | store GB/s | load GB/s | lookup p50 ms | lookup p99 ms | verified "
+        "| CPU µs per chunk, client + server (all rounds): store / load |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     rows = doc["rows"]
     names = [n for n in ADAPTERS if any(r["adapter"] == n for r in rows)]
@@ -286,10 +323,16 @@ def format_lmcache_l2(doc: dict[str, Any]) -> str:
             if not mine:
                 continue
             verified = f"{sum(r['verified'] for r in mine)}/{sum(r['chunks'] for r in mine)}"
+            # Summed over the rounds: the OS counts a process's CPU in 10 ms ticks, coarse
+            # against one round (64 chunks of 256 KiB move in ~20 ms).
+            cpu = " / ".join(
+                "{:.0f} + {:.0f}".format(*(sum(r[field][i] for r in mine) / len(mine) for i in (0, 1)))
+                for field in ("store_cpu_us", "load_cpu_us")
+            )
             lines.append(
                 f"| {label} | {name} | {_span([r['store_gbps'] for r in mine])} | "
                 f"{_span([r['load_gbps'] for r in mine])} | {_span([r['lookup_p50_ms'] for r in mine])} | "
-                f"{_span([r['lookup_p99_ms'] for r in mine])} | {verified} |"
+                f"{_span([r['lookup_p99_ms'] for r in mine])} | {verified} | {cpu} |"
             )
     if "lmserver" in names and "resp" in names:
         lines += ["", "lmserver / resp, per round (median, range):", ""]

@@ -331,11 +331,20 @@ class LMServerL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         with self._lock:
             task_id = next(self._ids)
             self._pending += 1
-        if self._closed:
-            self._complete(results, task_id, failure)
-        else:
-            asyncio.run_coroutine_threadsafe(self._bounded(results, task_id, work, failure), self._loop)
+        if not self._spawn(self._bounded(results, task_id, work, failure)):
+            self._complete(results, task_id, failure)  # closed: completed at once, unsignalled
         return task_id
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> bool:
+        """Schedule ``coro`` on the loop; False (and ``coro`` dropped) once closed."""
+        try:
+            if not self._closed:
+                asyncio.run_coroutine_threadsafe(coro, self._loop)
+                return True
+        except RuntimeError:  # the loop closed meanwhile
+            pass
+        coro.close()
+        return False
 
     async def _bounded(
         self,
@@ -469,8 +478,8 @@ class LMServerL2Adapter(L2AdapterInterface):  # type: ignore[misc]
                         released.append((name, self._deferred.pop(name)))
                 else:
                     self._locks[name] -= 1
-        if released and not self._closed:
-            asyncio.run_coroutine_threadsafe(self._delete_bounded(released), self._loop)
+        if released:
+            self._spawn(self._delete_bounded(released))
 
     # -- load -------------------------------------------------------------------------------
 
