@@ -15,21 +15,23 @@ Parameters (``adapter_params``; LMServerL2AdapterConfig checks them when the ser
 - ``timeout`` (5): seconds one wait for the network may take (connect: at most 2).
 - ``task_timeout`` (10): seconds one task (store, lookup, load, delete, listing) may take
   in all; it then completes as a failure.
-- ``max_connections`` (1): connections per server for stores, loads and deletes (each key
-  uses one, its lane); lookups, HEALTH and listings have one more of their own. More than
-  one helps only where one TCP stream cannot fill the link: on loopback each one added cost
-  CPU per object (256 KiB chunks: 1.7 / 1.35 / 1.1 GB/s with 1 / 2 / 4).
+- ``max_connections`` (1): connections per server for stores, and as many for loads (each
+  key uses one, its lane); lookups, deletes, HEALTH and listings have one more of their own.
+  More than one helps only where one TCP stream cannot fill the link: on loopback each one
+  added cost CPU per object (256 KiB chunks: 1.7 / 1.35 / 1.1 GB/s with 1 / 2 / 4).
 - ``retries`` (1): immediate reconnect-and-retry attempts before a server counts as down.
 - ``capacity_bytes`` (0): the capacity LMCache's own L2 eviction sees (with ``"eviction"``
   in the JSON); 0 leaves eviction to lmserver (its LRU and ``--memory-limit``).
 - ``health_interval`` (1): seconds between HEALTH probes of every server.
 
-Strategy: one asyncio loop on a thread of its own carries every task through one
-`AsyncClient`; ``submit_*`` only schedules a coroutine there and returns its task id. Each
-coroutine is bounded by ``task_timeout`` and always completes: it publishes its result,
-then signals its eventfd. Stores are PUT_ACKs pipelined per connection (a refusal, 413 or
-507, is a failure, never a false success), straight from the L1 buffer; lookups are one
-EXIST_MANY per connection; loads are GETs received straight into the L1 staging buffers
+Strategy: one asyncio loop on a thread of its own carries every task, through three
+`AsyncClient`s: one for stores, one for loads, one (a single connection per server) for
+lookups, deletes, HEALTH and listings, so none queues behind another's 32 MiB transfers.
+``submit_*`` only schedules a coroutine there and returns its task id. Each coroutine is
+bounded by ``task_timeout`` and always completes: it publishes its result, then signals its
+eventfd. Stores are PUT_ACKs pipelined per connection (a refusal, 413 or 507, is a failure,
+never a false success), straight from the L1 buffer; lookups are one EXIST_MANY per server;
+deletes one DELETE_MANY per server; loads are GETs received straight into the L1 staging buffers
 (a reply whose length or layout differs from the buffer is drained: a miss). Batch results
 come per key (``return_exceptions``), so one key's failure never hides the others'. A
 server that fails is skipped for a backoff period (its keys miss, its stores fail at once)
@@ -156,7 +158,7 @@ class LMServerL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
             "- url (str, required): lm://host:port[,host:port...] or lms://...\n"
             "- timeout (float, 5): seconds one network wait may take\n"
             "- task_timeout (float, 10): seconds one store/lookup/load/delete may take\n"
-            "- max_connections (int, 1): data connections per server (+1 for lookups)\n"
+            "- max_connections (int, 1): store and load connections per server, each\n"
             "- retries (int, 1): reconnect-and-retry attempts before a server counts as down\n"
             "- capacity_bytes (int, 0): capacity for LMCache-side eviction (0: lmserver evicts)\n"
             "- health_interval (float, 1): seconds between HEALTH probes"
@@ -279,11 +281,14 @@ class LMServerL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         self._loop = self._new_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="lmserver-l2", daemon=True)
         self._thread.start()
-        # Stores, loads and deletes travel on ``client``, each key on its lane; lookups, HEALTH
-        # and listings on ``control``'s one connection per server, so they never queue
-        # behind a lane's 32 MiB loads.
-        self.client: AsyncClient = self._on_loop(self._make_client(config.max_connections), CLOSE_TIMEOUT)
+        # Stores and loads each have connections of their own (a prefetch's loads never queue
+        # behind a stream of 32 MiB stores, nor the reverse: a key is loaded only after its
+        # store was acknowledged, so the two need no common order); lookups, deletes, HEALTH
+        # and listings go on ``control``'s one connection per server, behind neither.
+        self.storing: AsyncClient = self._on_loop(self._make_client(config.max_connections), CLOSE_TIMEOUT)
+        self.loading: AsyncClient = self._on_loop(self._make_client(config.max_connections), CLOSE_TIMEOUT)
         self.control: AsyncClient = self._on_loop(self._make_client(1), CLOSE_TIMEOUT)
+        self._clients = (self.storing, self.loading, self.control)
         self._probe = asyncio.run_coroutine_threadsafe(self._probe_forever(), self._loop)
         log.info("lmserver L2 adapter: %s (task timeout %.1fs)", config.url, config.task_timeout)
 
@@ -323,15 +328,20 @@ class LMServerL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     # -- tasks: scheduled on the loop, bounded, always completed ---------------------------
 
     def _submit(
-        self, results: _Results, work: Callable[[list[str]], Awaitable[Any]], failure: Any
+        self,
+        results: _Results,
+        work: Callable[[list[str]], Awaitable[Any]],
+        failure: Any,
+        carrier: AsyncClient | None = None,
     ) -> L2TaskId:
         """Schedule ``work`` on the loop and return its task id at once: everything else
         (keys, requests) happens on the loop thread, so the caller's thread (a storage
-        controller's) and the loop's do not contend for the GIL."""
+        controller's) and the loop's do not contend for the GIL. ``carrier``: the client whose
+        connections carry the task's L1 buffers."""
         with self._lock:
             task_id = next(self._ids)
             self._pending += 1
-        if not self._spawn(self._bounded(results, task_id, work, failure)):
+        if not self._spawn(self._bounded(results, task_id, work, failure, carrier)):
             self._complete(results, task_id, failure)  # closed: completed at once, unsignalled
         return task_id
 
@@ -352,18 +362,19 @@ class LMServerL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         task_id: int,
         work: Callable[[list[str]], Awaitable[Any]],
         failure: Any,
+        carrier: AsyncClient | None,
     ) -> None:
-        """Run ``work``, which lists in its argument the keys whose requests reference L1
-        buffers; bounded by the task timeout, and completed whatever happens."""
+        """Run ``work``, which lists in its argument the keys whose requests on ``carrier``
+        reference L1 buffers; bounded by the task timeout, and completed whatever happens."""
         outcome, touched = failure, list[str]()
         try:
             async with asyncio.timeout(self._task_timeout):
                 outcome = await work(touched)
         except TimeoutError as exc:
-            self._abandon(touched)
+            self._abandon(carrier, touched)
             self._failures.record("task (timed out)", exc)
         except Exception as exc:  # a bug or an unexpected error: still a completed task
-            self._abandon(touched)
+            self._abandon(carrier, touched)
             self._failures.record("task", exc)
         finally:
             self._complete(results, task_id, outcome)
@@ -375,13 +386,15 @@ class LMServerL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             if not self._closed:  # a closed eventfd's number may already name another file
                 results.notifier.notify()  # after publishing: the controller reads once woken
 
-    def _abandon(self, names: Sequence[str]) -> None:
-        """Close the connections that carry ``names``: their requests may still reference
-        L1 buffers, which LMCache reuses once the task completes (on the loop, so nothing
-        runs between this and the completion)."""
-        placement = self.client._placement
+    def _abandon(self, carrier: AsyncClient | None, names: Sequence[str]) -> None:
+        """Close the connections of ``carrier`` that carry ``names``: their requests may still
+        reference L1 buffers, which LMCache reuses once the task completes (on the loop, so
+        nothing runs between this and the completion)."""
+        if carrier is None:
+            return
+        placement = carrier._placement
         for server, lane in {(placement.server(n), placement.lane(n)) for n in names}:
-            conn = self.client._lanes[server][lane]
+            conn = carrier._lanes[server][lane]
             if conn is not None:
                 conn.close(ReadError("an L2 task timed out; its connection is abandoned"))
 
@@ -392,20 +405,20 @@ class LMServerL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     # -- store ----------------------------------------------------------------------------
 
     def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
-        return self._submit(
-            self._stores, lambda names: self._store(keys, names, objects), L2StoreResult(False, 0)
-        )
+        work = functools.partial(self._store, keys, objects)
+        return self._submit(self._stores, work, L2StoreResult(False, 0), self.storing)
 
     async def _store(
-        self, keys: list[ObjectKey], names: list[str], objects: list[MemoryObj]
+        self, keys: list[ObjectKey], objects: list[MemoryObj], names: list[str]
     ) -> L2StoreResult:
+        """``names``: filled with the keys' names first (see `_bounded`)."""
         names += [object_name(_fields(k)) for k in keys]
         views = [readable_view(obj.byte_array) for obj in objects]
-        put = self.client._commands.put
+        put = self.storing._commands.put
         ops: list[Op[Any]] = [
             put(name, view, _meta(obj), True) for name, view, obj in zip(names, views, objects, strict=True)
         ]
-        outcomes = await self.client._call(self.client._grouped(ops, settle=True))
+        outcomes = await self.storing._call(self.storing._grouped(ops, settle=True))
         stored = [i for i, outcome in enumerate(outcomes) if outcome is None]
         failed = [outcome for outcome in outcomes if outcome is not None]
         if failed:
@@ -484,16 +497,18 @@ class LMServerL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     # -- load -------------------------------------------------------------------------------
 
     def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
-        return self._submit(self._loads, lambda names: self._load(keys, names, objects), Bitmap(len(keys)))
+        work = functools.partial(self._load, keys, objects)
+        return self._submit(self._loads, work, Bitmap(len(keys)), self.loading)
 
-    async def _load(self, keys: list[ObjectKey], names: list[str], objects: list[MemoryObj]) -> Bitmap:
+    async def _load(self, keys: list[ObjectKey], objects: list[MemoryObj], names: list[str]) -> Bitmap:
+        """``names``: filled with the keys' names first (see `_bounded`)."""
         names += [object_name(_fields(k)) for k in keys]
         targets = [_Target(obj) for obj in objects]
-        get_with = self.client._commands.get_with
+        get_with = self.loading._commands.get_with
         ops: list[Op[Any]] = [
             get_with(name, target, _loaded) for name, target in zip(names, targets, strict=True)
         ]
-        outcomes = await self.client._call(self.client._grouped(ops, settle=True))
+        outcomes = await self.loading._call(self.loading._grouped(ops, settle=True))
         bitmap = Bitmap(len(keys))
         errors = [outcome for outcome in outcomes if isinstance(outcome, LMClientError)]
         for i, outcome in enumerate(outcomes):
@@ -535,7 +550,7 @@ class LMServerL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         names = [name for name, _ in targets]
         try:
             async with asyncio.timeout(self._task_timeout):
-                outcomes = await self.client.delete_many(names, return_exceptions=True)
+                outcomes = await self.control.delete_many(names, return_exceptions=True)
         except TimeoutError as exc:
             self._failures.record("delete (timed out)", exc, len(names))
             return
@@ -598,8 +613,8 @@ class LMServerL2Adapter(L2AdapterInterface):  # type: ignore[misc]
 
     def report_status(self) -> dict[str, Any]:
         now = time.monotonic()
-        servers = self.client.settings.servers
-        states = [*self.client._servers, *self.control._servers]
+        servers = self.control.settings.servers
+        states = [state for client in self._clients for state in client._servers]
         down_now = {str(s.address) for s in states if s.retry_at > now}
         probed = self._healthy if len(self._healthy) == len(servers) else [False] * len(servers)
         fresh = now - self._probed < 3 * self.config.health_interval + self.config.timeout
@@ -620,8 +635,7 @@ class LMServerL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             "deferred_deletes": deferred,
             "counts": counts,
             "failures": dict(self._failures.counts()),
-            "client": self.client.counters,
-            "control": self.control.counters,
+            "client": dict(sum((Counter(client.counters) for client in self._clients), Counter())),
         }
 
     def close(self) -> None:
@@ -648,7 +662,7 @@ class LMServerL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         )
 
     async def _shutdown(self) -> None:
-        for client in (self.client, self.control):
+        for client in self._clients:
             await client.aclose()  # closes every connection at once, then waits for its reader
         others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         for task in others:
