@@ -131,14 +131,19 @@ def lmcache_l2(args: argparse.Namespace) -> int:
     chunks = dict(zip(sizes, counts, strict=True))
     params = json.loads(args.params)
     doc = run_lmcache_l2_bench(sizes, chunks, args.rounds, args.lookups, _csv(args.adapters), out, params)
-    text = format_lmcache_l2(doc)
-    (out / "lmcache_l2.md").write_text(text + "\n")
-    print(text)
-    if not args.no_latest:
-        LATEST.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(out / "lmcache_l2.json", LATEST / "lmcache_l2.json")
-        shutil.copy2(out / "lmcache_l2.md", LATEST / "lmcache_l2.md")
+    _report(out, "lmcache_l2", format_lmcache_l2(doc), latest=not args.no_latest)
     return 0
+
+
+def _report(out: Path, name: str, text: str, latest: bool) -> None:
+    """Print ``text``, write it as ``out/NAME.md`` beside ``out/NAME.json``, and copy both to
+    bench/latest unless told not to."""
+    (out / f"{name}.md").write_text(text + "\n")
+    print(text)
+    if latest:
+        LATEST.mkdir(parents=True, exist_ok=True)
+        for suffix in (".json", ".md"):
+            shutil.copy2(out / f"{name}{suffix}", LATEST / f"{name}{suffix}")
 
 
 def stream_get(args: argparse.Namespace) -> int:
@@ -442,13 +447,7 @@ def lmcache(args: argparse.Namespace) -> int:
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     out = Path(args.out) if args.out else REPO / "bench" / "results" / f"{stamp}-lmcache"
     doc = run_lmcache_bench(args.chunks, report.parse_size(args.chunk_size), args.rounds, args.lookups, out)
-    text = format_lmcache(doc)
-    (out / "lmcache.md").write_text(text + "\n")
-    print(text)
-    if not args.no_latest:
-        LATEST.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(out / "lmcache.json", LATEST / "lmcache.json")
-        shutil.copy2(out / "lmcache.md", LATEST / "lmcache.md")
+    _report(out, "lmcache", format_lmcache(doc), latest=not args.no_latest)
     return 0
 
 
