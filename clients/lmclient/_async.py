@@ -20,7 +20,7 @@ import socket
 from collections import deque
 from collections.abc import Iterable, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Self, TypeVar, overload
 
 from lmproto import MAX_CONTROL_BODY, MemoryFormat, ObjectMeta
 
@@ -28,6 +28,7 @@ from ._config import Settings
 from ._exceptions import (
     CONNECT_ERRORS,
     READ_ERRORS,
+    LMClientError,
     ReadError,
     ReadTimeout,
     TransportError,
@@ -35,7 +36,7 @@ from ._exceptions import (
     WriteTimeout,
     map_exceptions,
 )
-from ._ops import BaseClient, Batch, Op
+from ._ops import BaseClient, Batch, Op, Page, settle
 from ._placement import Address
 from ._sync import Client
 from ._tls import TLSSocket, wrap_nonblocking
@@ -327,13 +328,13 @@ class AsyncClient(BaseClient):
     async def _run_all(self, batches: list[Batch]) -> list[list[Any]]:
         """Each batch's results, the batches running concurrently (each on its own lane,
         or pipelined on a shared one); the first error once all have finished."""
-        if len(batches) == 1:
-            return [await self._run(batches[0])]
-        results = await asyncio.gather(*(self._run(batch) for batch in batches), return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-        return results  # type: ignore[return-value]
+        if len(batches) == 1:  # no task to create
+            try:
+                return [await self._run(batches[0])]
+            except LMClientError as exc:
+                return settle(batches, [exc])
+        outcomes = await asyncio.gather(*(self._run(batch) for batch in batches), return_exceptions=True)
+        return settle(batches, outcomes)
 
     async def _exchange(self, batch: Batch) -> Results:
         self._check_open()
@@ -383,14 +384,66 @@ class AsyncClient(BaseClient):
     async def exists(self, key: str) -> bool:
         return await self._call(self._single(self._commands.exists(key)))
 
-    async def put_many(self, keys: Sequence[str], data: Sequence[Any], *, ack: bool = False) -> None:
-        await self._call(self._put_many_flow(keys, data, ack))
+    @overload
+    async def put_many(
+        self,
+        keys: Sequence[str],
+        data: Sequence[Any],
+        *,
+        ack: bool = ...,
+        return_exceptions: Literal[False] = ...,
+    ) -> None: ...
+    @overload
+    async def put_many(
+        self, keys: Sequence[str], data: Sequence[Any], *, ack: bool = ..., return_exceptions: Literal[True]
+    ) -> list[LMClientError | None]: ...
+    async def put_many(
+        self, keys: Sequence[str], data: Sequence[Any], *, ack: bool = False, return_exceptions: bool = False
+    ) -> list[LMClientError | None] | None:
+        results = await self._call(self._put_many_flow(keys, data, ack, return_exceptions))
+        return results if return_exceptions else None
 
-    async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        return await self._call(self._grouped([self._commands.get(k) for k in keys]))
+    @overload
+    async def get_many(
+        self, keys: Sequence[str], *, return_exceptions: Literal[False] = ...
+    ) -> list[bytes | None]: ...
+    @overload
+    async def get_many(
+        self, keys: Sequence[str], *, return_exceptions: Literal[True]
+    ) -> list[bytes | LMClientError | None]: ...
+    async def get_many(
+        self, keys: Sequence[str], *, return_exceptions: bool = False
+    ) -> list[bytes | None] | list[bytes | LMClientError | None]:
+        return await self._call(self._get_many_flow(keys, return_exceptions))
 
-    async def get_many_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int | None]:
-        return await self._call(self._get_many_into_flow(keys, buffers))
+    @overload
+    async def get_many_into(
+        self, keys: Sequence[str], buffers: Sequence[Any], *, return_exceptions: Literal[False] = ...
+    ) -> list[int | None]: ...
+    @overload
+    async def get_many_into(
+        self, keys: Sequence[str], buffers: Sequence[Any], *, return_exceptions: Literal[True]
+    ) -> list[int | LMClientError | None]: ...
+    async def get_many_into(
+        self, keys: Sequence[str], buffers: Sequence[Any], *, return_exceptions: bool = False
+    ) -> list[int | None] | list[int | LMClientError | None]:
+        return await self._call(self._get_many_into_flow(keys, buffers, return_exceptions))
+
+    @overload
+    async def delete_many(
+        self, keys: Iterable[str], *, return_exceptions: Literal[False] = ...
+    ) -> list[bool]: ...
+    @overload
+    async def delete_many(
+        self, keys: Iterable[str], *, return_exceptions: Literal[True]
+    ) -> list[bool | LMClientError]: ...
+    async def delete_many(
+        self, keys: Iterable[str], *, return_exceptions: bool = False
+    ) -> list[bool] | list[bool | LMClientError]:
+        return await self._call(self._delete_many_flow(keys, return_exceptions))
+
+    async def list_page(self, prefix: str = "", *, after: str = "", limit: int = 1000) -> Page:
+        return await self._call(self._list_page_flow(prefix, after, limit))
 
     async def exists_many(self, keys: Iterable[str]) -> list[bool]:
         return await self._call(self._exists_many_flow(keys))

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Coroutine, Iterable, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Self, TypeVar, overload
 
 from lmproto import MAX_CONTROL_BODY, MemoryFormat, ObjectMeta
 
@@ -24,10 +24,11 @@ from ._exceptions import (
     CONNECT_ERRORS,
     READ_ERRORS,
     WRITE_ERRORS,
+    LMClientError,
     PoolTimeout,
     map_exceptions,
 )
-from ._ops import BaseClient, Batch, Flow, Op
+from ._ops import BaseClient, Batch, Flow, Op, Page
 from ._placement import Address
 from ._tls import TLSSocket, wrap_blocking
 from ._wire import IOV_MAX, Inbox, Received, advance, read_reply, readable_now
@@ -272,17 +273,81 @@ class Client(BaseClient):
     def exists(self, key: str) -> bool:
         return self._drive(self._single(self._commands.exists(key)))
 
-    def put_many(self, keys: Sequence[str], data: Sequence[Any], *, ack: bool = False) -> None:
-        """`put` of each ``(key, data)`` pair, pipelined per connection and server."""
-        self._drive(self._put_many_flow(keys, data, ack))
+    @overload
+    def put_many(
+        self,
+        keys: Sequence[str],
+        data: Sequence[Any],
+        *,
+        ack: bool = ...,
+        return_exceptions: Literal[False] = ...,
+    ) -> None: ...
+    @overload
+    def put_many(
+        self, keys: Sequence[str], data: Sequence[Any], *, ack: bool = ..., return_exceptions: Literal[True]
+    ) -> list[LMClientError | None]: ...
+    def put_many(
+        self, keys: Sequence[str], data: Sequence[Any], *, ack: bool = False, return_exceptions: bool = False
+    ) -> list[LMClientError | None] | None:
+        """`put` of each ``(key, data)`` pair, pipelined per connection and server.
 
-    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        """`get` of each key, pipelined per connection and server; results in order."""
-        return self._drive(self._grouped([self._commands.get(k) for k in keys]))
+        ``return_exceptions=True``: nothing is raised for a pair that fails; the result is
+        one entry per pair, None where it was sent (stored, with ``ack``) and the error
+        where not (a refusal with ``ack``, a server that is down, a connection that failed).
+        Otherwise the first error is raised (the other pairs may or may not be stored)."""
+        results = self._drive(self._put_many_flow(keys, data, ack, return_exceptions))
+        return results if return_exceptions else None
 
-    def get_many_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int | None]:
-        """`get_into` of each key into its buffer, pipelined; lengths (None: miss) in order."""
-        return self._drive(self._get_many_into_flow(keys, buffers))
+    @overload
+    def get_many(
+        self, keys: Sequence[str], *, return_exceptions: Literal[False] = ...
+    ) -> list[bytes | None]: ...
+    @overload
+    def get_many(
+        self, keys: Sequence[str], *, return_exceptions: Literal[True]
+    ) -> list[bytes | LMClientError | None]: ...
+    def get_many(
+        self, keys: Sequence[str], *, return_exceptions: bool = False
+    ) -> list[bytes | None] | list[bytes | LMClientError | None]:
+        """`get` of each key, pipelined per connection and server; results in order
+        (``return_exceptions``: a key's error is its result, as in `put_many`)."""
+        return self._drive(self._get_many_flow(keys, return_exceptions))
+
+    @overload
+    def get_many_into(
+        self, keys: Sequence[str], buffers: Sequence[Any], *, return_exceptions: Literal[False] = ...
+    ) -> list[int | None]: ...
+    @overload
+    def get_many_into(
+        self, keys: Sequence[str], buffers: Sequence[Any], *, return_exceptions: Literal[True]
+    ) -> list[int | LMClientError | None]: ...
+    def get_many_into(
+        self, keys: Sequence[str], buffers: Sequence[Any], *, return_exceptions: bool = False
+    ) -> list[int | None] | list[int | LMClientError | None]:
+        """`get_into` of each key into its buffer, pipelined; lengths (None: miss) in order
+        (``return_exceptions``: a key's error, e.g. `BufferTooSmall`, is its result)."""
+        return self._drive(self._get_many_into_flow(keys, buffers, return_exceptions))
+
+    @overload
+    def delete_many(self, keys: Iterable[str], *, return_exceptions: Literal[False] = ...) -> list[bool]: ...
+    @overload
+    def delete_many(
+        self, keys: Iterable[str], *, return_exceptions: Literal[True]
+    ) -> list[bool | LMClientError]: ...
+    def delete_many(
+        self, keys: Iterable[str], *, return_exceptions: bool = False
+    ) -> list[bool] | list[bool | LMClientError]:
+        """`delete` of each key (False: it was not there): one DELETE_MANY per connection
+        and server, pipelined DELETEs where a server lacks it (``return_exceptions`` as in
+        `put_many`)."""
+        return self._drive(self._delete_many_flow(keys, return_exceptions))
+
+    def list_page(self, prefix: str = "", *, after: str = "", limit: int = 1000) -> Page:
+        """One page of the keys starting with ``prefix``, in key order: up to ``limit``
+        ``(key, size)`` pairs after the key ``after`` (size None where the server cannot
+        tell it without I/O), and the ``after`` of the next page (None after the last).
+        LIST_PAGE, an lmserver extension; a server may send fewer than ``limit``."""
+        return self._drive(self._list_page_flow(prefix, after, limit))
 
     def exists_many(self, keys: Iterable[str]) -> list[bool]:
         """Presence of each key, in order: one EXIST_MANY round trip where the server has

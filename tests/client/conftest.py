@@ -11,7 +11,8 @@ lmserver never does (fixtures ``silent_server``, ``fake_upstream``, ``drop_first
 * `SilentServer`: accepts connections and never reads or answers (timeouts).
 * `FakeUpstream`: an upstream-like lm:// server built on lmproto: PUT/GET/EXIST/LIST only,
   and on an extension command either answers 400 (``mode="fail"``) or goes silent on that
-  connection (``mode="silent"``, as upstream's v0 server does).
+  connection (``mode="silent"``, as upstream's v0 server does); ``mode="delete"`` also
+  answers DELETE, as an lmserver that predates DELETE_MANY does.
 * `DropFirstRelay`: cuts its first connection after the first bytes of a request, then
   relays every later connection to a real server (a server that dies mid-exchange).
 """
@@ -230,7 +231,9 @@ class FakeUpstream(_Listener):
             return reply(200 if key in self.store else 400)
         if command == Command.LIST:
             return reply(200, encode_key_lines(self.store))
-        return reply(Status.FAIL) if self.mode == "fail" else False
+        if command == Command.DELETE and self.mode == "delete":
+            return reply(Status.SUCCESS if self.store.pop(key, None) is not None else Status.NOT_FOUND)
+        return reply(Status.FAIL) if self.mode in ("fail", "delete") else False
 
 
 class DropFirstRelay(_Listener):
