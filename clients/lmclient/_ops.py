@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Generator, Iterable, Sequence
@@ -126,6 +127,9 @@ class Batch:
     """The server may lack the command: only failures to connect are retried."""
     server: int = 0
     lane: int | None = None
+    deadline: float = math.inf
+    """``time.monotonic()`` by which the call that sends it must end (set by `_call`): every
+    wait of the exchange is cut to it, and no retry starts that would end past it."""
 
 
 Step = Batch | list[Batch]
@@ -485,11 +489,15 @@ class BaseClient:
         """The lanes of ``server`` that have a live connection (which may hold PUTs)."""
         raise NotImplementedError
 
-    async def _call(self, flow: Flow[T]) -> T:
-        """Run ``flow``: each step it yields goes to `_run`/`_run_all`, results or error back."""
+    async def _call(self, flow: Flow[T], total: float | None = None) -> T:
+        """Run ``flow``: each step it yields goes to `_run`/`_run_all`, results or error back.
+        The whole call ends within ``total`` seconds (default: `Timeout` ``total``)."""
+        deadline = time.monotonic() + (self._settings.timeout.total if total is None else total)
         try:
             step = next(flow)
             while True:
+                for batch in [step] if isinstance(step, Batch) else step:
+                    batch.deadline = deadline
                 try:
                     results = await (self._run(step) if isinstance(step, Batch) else self._run_all(step))
                 except LMClientError as exc:
@@ -534,14 +542,15 @@ class BaseClient:
         return results
 
     async def _attempts(self, batch: Batch) -> list[Any]:
-        """One batch's results, retried on fresh connections as the policy allows."""
+        """One batch's results, retried on fresh connections as the policy and the call's
+        deadline allow."""
         for attempt in itertools.count():
             try:
                 return interpret(batch, await self._exchange(batch))
             except TransportError as exc:
                 retryable = not batch.probe or isinstance(exc, ConnectError | ConnectTimeout)
                 delay = self._settings.retry.delay(exc, attempt) if retryable else None
-                if delay is None:
+                if delay is None or time.monotonic() + delay >= batch.deadline:
                     raise
                 log.debug("retrying in %.3fs after %s: %s", delay, type(exc).__name__, exc)
                 await self._sleep(delay)
