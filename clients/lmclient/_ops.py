@@ -67,6 +67,7 @@ from ._exceptions import (
     ReadTimeout,
     ServerDown,
     ServerError,
+    TimeoutException,
     TransportError,
     WriteError,
 )
@@ -525,6 +526,13 @@ class BaseClient:
     async def _run(self, batch: Batch) -> list[Any]:
         """One batch's results; a server that is down answers with the ops' fallbacks."""
         server = self._servers[batch.server]
+        if time.monotonic() >= batch.deadline:
+            # The call's earlier batches used up its time (one server after another, in the
+            # blocking client): this server was never asked, so it is not marked down.
+            late = TimeoutException(f"the call's deadline passed before lm://{server.address} was asked")
+            if not self._skip_down:
+                raise late
+            return self._unavailable(batch, late)
         if self._skip_down and time.monotonic() < server.retry_at:
             return self._unavailable(batch, None)
         try:

@@ -92,3 +92,21 @@ def test_a_dead_server_costs_one_deadline_per_skip_period(
     assert client.get(live) == b"v"  # the live server is unaffected
     assert time.monotonic() - started < SLACK
     assert client.counters["server_down"] == 1 and client.counters["unavailable"] == 20
+
+
+def test_a_server_the_deadline_left_no_time_for_is_not_marked_down(
+    silent_server: Any, server_thread: Any
+) -> None:
+    from lmclient import Client
+
+    servers = [(silent_server.host, silent_server.port), (server_thread.host, server_thread.port)]
+    with Client(servers=servers, timeout=Timeout(30, total=0.3), retry=0) as client:
+        keys = [f"k{i}" for i in range(100)]
+        silent = [k for k in keys if client.server_for(k) == f"{silent_server.host}:{silent_server.port}"]
+        live = [k for k in keys if k not in silent]
+        client.put_many(live, [b"v"] * len(live))
+        # One server after the other: the silent one uses up the call's deadline, so the live
+        # one's keys miss in this call too, but only the silent server is marked down.
+        assert client.get_many([silent[0], live[0]]) == [None, None]
+        assert client.counters["server_down"] == 1
+        assert client.get(live[0]) == b"v"

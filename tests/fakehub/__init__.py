@@ -264,7 +264,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if name not in PRESIGNED and not hub.cas.token_valid(self.headers.get("Authorization")):
                 self._reply(401, {"error": "invalid or expired xet token"})
                 return
-            handler(groups, body)
+            try:
+                handler(groups, body)
+            except KeyError as exc:
+                self._reply(404, {"error": f"not found: {exc}"})
+            except cas.RangeNotSatisfiable as exc:
+                self._reply(416, {"error": str(exc)})
+            except ValueError as exc:  # cas.FormatError, or a request body that is not JSON
+                self._reply(400, {"error": str(exc)})
             return
         if hub.token is not None and self.headers.get("Authorization") != f"Bearer {hub.token}":
             self._reply(401, {"error": "Invalid credentials"})
@@ -413,10 +420,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _cas_base(self) -> str:
         return f"http://{self.headers.get('Host')}{CAS_PREFIX}"
 
+    # Handlers raise what the store raises; _dispatch answers it: KeyError 404 (no such
+    # file, xorb or grant), RangeNotSatisfiable 416, FormatError (and a bad body) 400.
+
     def _r_cas_xorb_grant(self, groups: dict[str, str], body: bytes) -> None:
         # The real service hands out a presigned upload URL; 200 says the xorb exists.
-        length = int(json.loads(body)["length"])
-        grant = self.owner.cas.grant(groups["hash"], length)
+        grant = self.owner.cas.grant(groups["hash"], int(json.loads(body)["length"]))
         if grant is None:
             self._reply(200, {})
             return
@@ -428,73 +437,33 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._reply(status, {} if status == 200 else {"error": f"grant upload refused ({status})"})
 
     def _r_cas_xorb_commit(self, groups: dict[str, str], body: bytes) -> None:
-        try:
-            committed = self.owner.cas.commit_grant(groups["hash"], groups["grant"])
-        except cas.FormatError as exc:
-            self._reply(400, {"error": str(exc)})
-            return
-        if committed:
-            self._reply(200, {"was_inserted": True})
-        else:
-            self._reply(404, {"error": "no data was uploaded for this grant"})
+        if not self.owner.cas.commit_grant(groups["hash"], groups["grant"]):
+            raise KeyError("no data was uploaded for this grant")
+        self._reply(200, {"was_inserted": True})
 
     def _r_cas_xorb(self, groups: dict[str, str], body: bytes) -> None:
-        try:
-            inserted = self.owner.cas.put_xorb(groups["hash"], body)
-        except cas.FormatError as exc:
-            self._reply(400, {"error": str(exc)})
-            return
-        self._reply(200, {"was_inserted": inserted})
+        self._reply(200, {"was_inserted": self.owner.cas.put_xorb(groups["hash"], body)})
 
     def _r_cas_shard(self, groups: dict[str, str], body: bytes) -> None:
-        try:
-            self.owner.cas.put_shard(body)
-        except cas.FormatError as exc:
-            self._reply(400, {"error": str(exc)})
-            return
+        self.owner.cas.put_shard(body)
         if groups["version"] == "2":
             self._reply_bytes(200, cas.SHARD_V2_EVENTS, "application/x-ndjson")
         else:
             self._reply(200, {"result": 1})  # SyncPerformed
 
     def _r_cas_dedup(self, groups: dict[str, str], body: bytes) -> None:
-        self._reply(404, {"error": "no global dedup shard"})
+        raise KeyError("no global dedup shard")
 
     def _r_cas_reconstruction(self, groups: dict[str, str], body: bytes) -> None:
-        try:
-            wanted = cas.parse_range(self.headers.get("Range"))
-        except ValueError as exc:
-            self._reply(416, {"error": str(exc)})
-            return
-        first, last = wanted if wanted is not None else (None, None)
-        try:
-            v1 = self.owner.cas.reconstruction(groups["hash"], first, last, self._cas_base())
-        except KeyError:
-            self._reply(404, {"error": "file not found"})
-            return
-        except cas.RangeNotSatisfiable:
-            self._reply(416, {"error": "range not satisfiable"})
-            return
+        first, last = cas.parse_range(self.headers.get("Range")) or (None, None)
+        v1 = self.owner.cas.reconstruction(groups["hash"], first, last, self._cas_base())
         self._reply(200, cas.as_v2(v1) if groups["version"] == "2" else v1)
 
     def _r_cas_fetch(self, groups: dict[str, str], body: bytes) -> None:
-        try:
-            wanted = cas.parse_range(self.headers.get("Range"))
-        except ValueError as exc:
-            self._reply(416, {"error": str(exc)})
-            return
-        if wanted is None or wanted[1] is None:
-            self._reply(416, {"error": "a fetch names its byte range"})
-            return
-        try:
-            data = self.owner.cas.read_xorb(groups["hash"], wanted[0], wanted[1])
-        except KeyError:
-            self._reply(404, {"error": "xorb not found"})
-            return
-        except cas.RangeNotSatisfiable:
-            self._reply(416, {"error": "range not satisfiable"})
-            return
-        self._reply_bytes(206, data)
+        first, last = cas.parse_range(self.headers.get("Range")) or (0, None)
+        if last is None:
+            raise cas.RangeNotSatisfiable("a fetch names its byte range")
+        self._reply_bytes(206, self.owner.cas.read_xorb(groups["hash"], first, last))
 
     def _r_resolve(self, bucket_id: str, groups: dict[str, str], body: bytes, query: Any) -> None:
         path = urllib.parse.unquote(groups["path"])

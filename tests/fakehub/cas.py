@@ -167,8 +167,8 @@ def merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return merged
 
 
-class RangeNotSatisfiable(Exception):
-    pass
+class RangeNotSatisfiable(ValueError):
+    """A range outside the file or xorb, or of a form not served here (HTTP 416)."""
 
 
 @dataclass
@@ -371,15 +371,15 @@ SHARD_V2_EVENTS = b"".join(
 
 
 def parse_range(header: str | None) -> tuple[int, int | None] | None:
-    """``bytes=a-b`` or ``bytes=a-`` -> (a, b or None); None when absent. ValueError otherwise
-    (suffix and multi-range forms are never sent for what this service hands out)."""
+    """``bytes=a-b`` or ``bytes=a-`` -> (a, b or None); None when absent. RangeNotSatisfiable
+    otherwise (suffix and multi-range forms are never sent for what this service hands out)."""
     if header is None:
         return None
     match = re.fullmatch(r"bytes=(\d+)-(\d*)", header.strip())
     if match is None:
-        raise ValueError(f"unsupported range {header!r}")
+        raise RangeNotSatisfiable(f"unsupported range {header!r}")
     first = int(match.group(1))
     last = int(match.group(2)) if match.group(2) else None
     if last is not None and last < first:
-        raise ValueError(f"empty range {header!r}")
+        raise RangeNotSatisfiable(f"empty range {header!r}")
     return first, last

@@ -613,11 +613,8 @@ class HFBucketTier(Tier):
         if info is None:
             return None
         record = _Obj(info.size, info.xet_hash, committed=time.monotonic())
-        with self._index.lock:
-            current = self._index.records.get(name)
-        if current is not None:
-            return current
-        self._index.load(name, record)
+        if self._index.adopt(name, record) is not record:
+            return self._index.get(name)  # indexed meanwhile (a listing, a write)
         self._evicted(self._index.overflow())
         self._watermark()
         self._count("probe_hits")

@@ -667,11 +667,9 @@ class NixlTier(Tier):
         if found is None or found[0] != key:
             return None
         rec = found[1]
-        with self._index.lock:
-            current = self._index.records.get(key)
-        if current is not None:
-            return current
-        self._index.load(key, rec)
+        current = self._index.adopt(key, rec)
+        if current is not rec:
+            return current  # indexed meanwhile (a listing, a write)
         self._evict(self._index.overflow())
         self._count("probe_hits")
         return rec
