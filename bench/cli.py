@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import datetime as dt
 import itertools
+import json
 import os
 import platform
 import shlex
@@ -98,7 +99,36 @@ def build_parser() -> argparse.ArgumentParser:
     lc.add_argument("--lookups", type=int, default=20, help="prefix lookups timed per round")
     lc.add_argument("--out", help="output folder (default bench/results/<UTC timestamp>-lmcache)")
     lc.add_argument("--no-latest", action="store_true", help="do not copy lmcache.json/md to bench/latest")
+    fl = sub.add_parser("fleet", help="a fleet on a namespace network: throughput, replace, dead host")
+    fl.add_argument("--tier", choices=("s3", "hf"), default="s3", help="shared tier (s3: NIXL OBJ + moto)")
+    fl.add_argument("--link-rate", default="1gbit", help="each server host's link (tc rate; 0: unshaped)")
+    fl.add_argument("--size", default="1M", help="object size")
+    fl.add_argument("--objects", type=int, default=64, help="objects per client in the throughput rounds")
+    fl.add_argument("--clients", type=int, default=3, help="client processes in the throughput rounds")
+    fl.add_argument("--rounds", type=int, default=3, help="throughput rounds (the server counts rotate)")
+    fl.add_argument("--baseline", help="another checkout whose lmclient also runs the dead-host cases")
+    fl.add_argument("--parts", default="throughput,replace,dead-host", help="which measurements to run")
+    fl.add_argument("--smoke", action="store_true", help="tiny sizes and counts, small timeout only")
+    fl.add_argument("--out", help="output folder (default bench/results/<UTC timestamp>-fleet)")
+    fl.add_argument("--no-latest", action="store_true", help="do not copy fleet.json/md to bench/latest")
     return ap
+
+
+def fleet(args: argparse.Namespace) -> int:
+    from .fleet import format_fleet, options_from, run_fleet
+
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    out = Path(args.out) if args.out else REPO / "bench" / "results" / f"{stamp}-fleet"
+    results = run_fleet(options_from(args))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fleet.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "fleet.md").write_text(format_fleet(results) + "\n")
+    print(format_fleet(results))
+    if not args.no_latest and not args.smoke:
+        LATEST.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(out / "fleet.json", LATEST / "fleet.json")
+        shutil.copy2(out / "fleet.md", LATEST / "fleet.md")
+    return 0
 
 
 def stream_get(args: argparse.Namespace) -> int:
@@ -452,4 +482,6 @@ def main(argv: list[str] | None = None) -> int:
         return stream_get(args)
     if args.cmd == "lmcache":
         return lmcache(args)
+    if args.cmd == "fleet":
+        return fleet(args)
     return 2

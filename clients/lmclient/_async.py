@@ -42,7 +42,7 @@ from ._ops import BaseClient, Batch, Op
 from ._placement import Address
 from ._sync import Client
 from ._tls import TLSSocket, wrap_nonblocking
-from ._wire import IOV_MAX, Inbox, Received, advance, read_reply, readable_now
+from ._wire import IOV_MAX, Inbox, Received, advance, read_reply, readable_now, tune
 
 if TYPE_CHECKING:
     import torch
@@ -105,6 +105,7 @@ class _Connection:
             async with asyncio.timeout(limit):
                 infos = await loop.getaddrinfo(address.host, address.port, type=socket.SOCK_STREAM)
                 sock = await cls._connect_any(loop, infos)
+                tune(sock, settings.timeout.connect)
                 if settings.ssl_context is None:
                     return cls(sock, settings)
                 return cls(await wrap_nonblocking(sock, settings.ssl_context, address.host), settings)
@@ -116,7 +117,6 @@ class _Connection:
             sock = socket.socket(family, kind, proto)
             try:
                 sock.setblocking(False)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 await loop.sock_connect(sock, address)
                 return sock
             except OSError as exc:

@@ -33,7 +33,7 @@ from ._exceptions import (
 from ._ops import BaseClient, Batch, Flow, Op
 from ._placement import Address
 from ._tls import TLSSocket, wrap_blocking
-from ._wire import IOV_MAX, Inbox, Received, advance, read_reply, readable_now
+from ._wire import IOV_MAX, Inbox, Received, advance, read_reply, readable_now, tune
 
 if TYPE_CHECKING:
     import torch
@@ -61,7 +61,7 @@ class _Connection:
         limit = wait_limit(deadline, timeout.connect, ConnectTimeout)
         with map_exceptions(CONNECT_ERRORS):
             self._sock = socket.create_connection(address, timeout=limit)
-            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tune(self._sock, timeout.connect)
             if settings.ssl_context is not None:
                 self._sock = wrap_blocking(self._sock, settings.ssl_context, address.host)
         self._generation = settings.generation

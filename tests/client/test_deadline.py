@@ -110,3 +110,20 @@ def test_a_server_the_deadline_left_no_time_for_is_not_marked_down(
         assert client.get_many([silent[0], live[0]]) == [None, None]
         assert client.counters["server_down"] == 1
         assert client.get(live[0]) == b"v"
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_USER_TIMEOUT"), reason="the OS has no TCP_USER_TIMEOUT")
+def test_bytes_unacknowledged_for_the_connect_timeout_end_a_connection(
+    make_client: Any, server_thread: Any
+) -> None:
+    # A cut link leaves a request unacknowledged: the connection then fails after the connect
+    # timeout, not the read timeout (tests/fleet and bench/fleet.py cut real links).
+    client = make_client(server_thread.host, server_thread.port, timeout=Timeout(30, connect=0.5))
+    assert client.get("k") is None
+    inner = getattr(client, "inner", client)
+    if hasattr(inner, "_pools"):
+        conns = [c for c in inner._pools[0]._conns if c is not None]
+    else:
+        conns = [c for c in inner._lanes[0] if c is not None]
+    (conn,) = conns
+    assert conn._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 500

@@ -104,6 +104,13 @@ class Network:
         """Plug (``up``) or pull the host's cable: its switch port goes up or down."""
         self._ip(self.switch, "link", "set", host.port, "up" if up else "down")
 
+    def shape(self, host: Host, rate: str) -> None:
+        """Give the host's link a rate (``tc`` notation: ``1gbit``), both ways, as a NIC of
+        that speed would: its own egress and its switch port's."""
+        for netns, dev in ((host.netns, "eth0"), (self.switch.netns, host.port)):
+            _run(["tc", "-n", netns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
+                  "burst", "1mb", "latency", "50ms"])  # fmt: skip
+
     def command(self, host: Host) -> list[str]:
         """The prefix that runs a command on ``host``."""
         return ["ip", "netns", "exec", host.netns]

@@ -77,19 +77,20 @@ class Fleet:
             raise RuntimeError("the fake Hub did not start")
         return proc
 
-    def spec(self) -> str:
-        """The ``--tier`` every server of the fleet gets: the shared tier, written behind."""
+    def spec(self, mode: str = "write-behind") -> str:
+        """The ``--tier`` every server of the fleet gets: the shared tier, written behind (a
+        fleet's setting; ``demote`` leaves it to what memory evicts)."""
         if self.kind == "s3":
             return (
                 f"nixl:s3://{S3_BUCKET}/kv?endpoint=http://{SWITCH_ADDRESS}:{MOTO_PORT}"
-                "&access_key=test&secret_key=test&capacity=1GiB&shared=true&mode=write-behind"
+                f"&access_key=test&secret_key=test&capacity=1GiB&shared=true&mode={mode}"
                 f"&refresh={self.refresh}&timeout=10"
             )
         from fakehub import TOKEN
 
         return (
             f"hf://buckets/{HF_BUCKET}/kv?endpoint=http://{SWITCH_ADDRESS}:{HUB_PORT}&token={TOKEN}"
-            f"&mode=write-behind&window=0.01&refresh={self.refresh}&timeout=10"
+            f"&mode={mode}&window=0.01&refresh={self.refresh}&timeout=10"
         )
 
     def _env(self, name: str) -> dict[str, str]:
@@ -105,15 +106,19 @@ class Fleet:
     def address(self, name: str) -> str:
         return f"{self.hosts[name].address}:{SERVER_PORT}"
 
-    def start(self, *names: str) -> None:
+    def start(self, *names: str, mode: str = "write-behind") -> None:
         """Start a server on each named host, at once; returns when all listen."""
         with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
-            started = list(pool.map(self._server, names))
+            started = list(pool.map(lambda name: self._server(name, mode), names))
         self.servers.update(zip(names, started, strict=True))
 
-    def _server(self, name: str) -> ServerProcess:
+    def stop(self, *names: str) -> None:
+        for name in names:
+            self.servers.pop(name).stop()
+
+    def _server(self, name: str, mode: str) -> ServerProcess:
         host = self.hosts[name]
-        args = ("--memory-limit", self.memory, "--tier", self.spec(), *self.server_args)
+        args = ("--memory-limit", self.memory, "--tier", self.spec(mode), *self.server_args)
         return ServerProcess(
             args, port=SERVER_PORT, env=self._env(name), host=host.address, prefix=self.net.command(host)
         )
