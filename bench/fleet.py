@@ -124,6 +124,7 @@ def baseline_env(baseline: Path | None) -> dict[str, str]:
 def throughput(fleet: Fleet, opts: Options) -> dict[str, Any]:
     counts = (1, 2, 3)
     cells: dict[tuple[int, str], list[float]] = {(n, op): [] for n in counts for op in ("put", "get")}
+    ideal: dict[int, list[float]] = {n: [] for n in counts}
     wrong = misses = 0
     for round_no in range(opts.rounds):
         order = counts[round_no % 3 :] + counts[: round_no % 3]
@@ -131,11 +132,13 @@ def throughput(fleet: Fleet, opts: Options) -> dict[str, Any]:
             names = [f"h{i}" for i in range(1, n + 1)]
             fleet.start(*names, mode="demote")
             servers = ",".join(fleet.address(h) for h in names)
+            prefixes = [f"r{round_no}c{c}" for c in range(opts.clients)]
+            ideal[n].append(balance_limit(servers.split(","), prefixes, opts.objects))
             for op in ("put", "get"):
                 shape = ["--count", str(opts.objects), "--size", str(opts.size)]
                 argvs = [
-                    ["load", "--servers", servers, "--op", op, "--prefix", f"r{round_no}c{c}", *shape]
-                    for c in range(opts.clients)
+                    ["load", "--servers", servers, "--op", op, "--prefix", prefix, *shape]
+                    for prefix in prefixes
                 ]
                 results = Workers(fleet, argvs).go()
                 seconds = max(r["seconds"] for r in results)
@@ -155,9 +158,21 @@ def throughput(fleet: Fleet, opts: Options) -> dict[str, Any]:
                 "MB_s_range": [min(rates), max(rates)],
                 "x_one_server": statistics.median(ratios),
                 "x_range": [min(ratios), max(ratios)],
+                "x_placement_limit": statistics.median(ideal[n]),
             }
         )
     return {"rows": rows, "wrong": wrong, "misses": misses}
+
+
+def balance_limit(servers: list[str], prefixes: list[str], count: int) -> float:
+    """The most ``len(servers)`` servers can give over one when each is bound by its own link:
+    1 / the largest share of the round's keys that rendezvous hashing puts on one server."""
+    from lmclient import Client
+
+    placement = Client(servers=servers)
+    keys = [k for prefix in prefixes for k in keys_of(prefix, count)]
+    shares = [sum(1 for k in keys if placement.server_for(k) == s) for s in servers]
+    return len(keys) / max(shares)
 
 
 # -- replace ---------------------------------------------------------------------------------
@@ -212,6 +227,7 @@ def replace(fleet: Fleet, opts: Options) -> dict[str, Any]:
     reader.stop.set()
     running.result()
     fleet.on_client(reader.client.close)
+    rss = server_rss_mb(fleet, names)
     fleet.stop(*names)
     log = reader.log
     served = [t for t, k, ok in log if t > killed and ok and k in owned]
@@ -227,7 +243,20 @@ def replace(fleet: Fleet, opts: Options) -> dict[str, Any]:
         "spawn_to_listening_s": listening - killed,
         "spawn_to_first_served_s": back - killed,
         "wrong": reader.wrong,
+        "server_rss_mb": rss,
     }
+
+
+def server_rss_mb(fleet: Fleet, names: tuple[str, ...]) -> list[float]:
+    """Each server's resident memory now (MB): what sizing a host has to allow for."""
+    import psutil
+
+    rss = []
+    for name in names:
+        proc = fleet.servers[name].proc
+        assert proc is not None
+        rss.append(psutil.Process(proc.pid).memory_info().rss / 1e6)
+    return rss
 
 
 def _writer(servers: list[str]) -> Any:
@@ -326,7 +355,8 @@ def format_fleet(result: dict[str, Any]) -> str:
             f"objects, its share {r['victim_share']:.0%}): misses {r['miss_rate_before']:.1%} before, "
             f"{r['miss_rate_while_away']:.1%} of {r['gets_while_away']} GETs while it was away; spawn "
             f"to listening {r['spawn_to_listening_s']:.2f} s, to its first GET served (from the shared "
-            f"tier) {r['spawn_to_first_served_s']:.2f} s; wrong bytes {r['wrong']}.",
+            f"tier) {r['spawn_to_first_served_s']:.2f} s; wrong bytes {r['wrong']}; servers' RSS after "
+            f"it: {', '.join(f'{mb:.0f}' for mb in r['server_rss_mb'])} MB.",
         ]
     if "dead_host" in result:
         lines += [
@@ -351,8 +381,8 @@ def _format_throughput(meta: dict[str, Any], t: dict[str, Any]) -> list[str]:
         f"Throughput: {meta['clients']} clients, {meta['objects_per_client']} objects of "
         f"{meta['size'] // 1024} KiB each, median of {meta['rounds']} rounds [range]:",
         "",
-        "| servers | PUT MB/s | x 1 server | GET MB/s | x 1 server |",
-        "|---|---|---|---|---|",
+        "| servers | PUT MB/s | x 1 server | GET MB/s | x 1 server | placement's limit |",
+        "|---|---|---|---|---|---|",
     ]
     rows = {(r["servers"], r["op"]): r for r in t["rows"]}
     for n in (1, 2, 3):
@@ -361,8 +391,14 @@ def _format_throughput(meta: dict[str, Any], t: dict[str, Any]) -> list[str]:
             r = rows[(n, op)]
             low, high = r["MB_s_range"]
             cells.append(f"{r['MB_s']:.0f} [{low:.0f}-{high:.0f}] | {r['x_one_server']:.2f}")
-        lines.append(f"| {n} | {' | '.join(cells)} |")
-    lines += ["", f"Wrong bytes: {t['wrong']}; misses: {t['misses']}."]
+        limit = rows[(n, "put")]["x_placement_limit"]
+        lines.append(f"| {n} | {' | '.join(cells)} | {limit:.2f} |")
+    lines += [
+        "",
+        "(placement's limit: 1 / the largest share of the keys on one server, the most that n",
+        "servers bound by their own links can give over one.)",
+        f"Wrong bytes: {t['wrong']}; misses: {t['misses']}.",
+    ]
     return lines
 
 

@@ -48,6 +48,7 @@ def test_fleet_bench_tables_throughput() -> None:
             "MB_s_range": [90.0 * n, 110.0 * n],
             "x_one_server": n,
             "x_range": [n, n],
+            "x_placement_limit": n,
         }
         for n in (1, 2, 3)
         for op in ("put", "get")
@@ -55,5 +56,5 @@ def test_fleet_bench_tables_throughput() -> None:
     meta = {"started": "now", "cpus": 2, "tier": "s3", "link_rate": "1gbit", "size": 1 << 20}
     meta |= {"objects_per_client": 8, "clients": 2, "rounds": 3, "seconds": 1.0}
     text = format_fleet({"meta": meta, "throughput": {"rows": rows, "wrong": 0, "misses": 0}})
-    assert "| 3 | 300 [270-330] | 3.00 | 300 [270-330] | 3.00 |" in text
+    assert "| 3 | 300 [270-330] | 3.00 | 300 [270-330] | 3.00 | 3.00 |" in text
     assert "Wrong bytes: 0; misses: 0." in text

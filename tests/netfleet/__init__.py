@@ -105,11 +105,13 @@ class Network:
         self._ip(self.switch, "link", "set", host.port, "up" if up else "down")
 
     def shape(self, host: Host, rate: str) -> None:
-        """Give the host's link a rate (``tc`` notation: ``1gbit``), both ways, as a NIC of
-        that speed would: its own egress and its switch port's."""
+        """Give the host's link a rate (``1gbit``, ``100mbit``, ``500kbit``), both ways, as a
+        NIC of that speed would: its own egress and its switch port's. The token bucket holds
+        10 ms at that rate (at least 64 KiB), so bursts barely exceed it."""
+        burst = str(max(64 * 1024, int(bits_per_second(rate) / 8 / 100)))
         for netns, dev in ((host.netns, "eth0"), (self.switch.netns, host.port)):
             _run(["tc", "-n", netns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
-                  "burst", "1mb", "latency", "50ms"])  # fmt: skip
+                  "burst", burst, "latency", "50ms"])  # fmt: skip
 
     def command(self, host: Host) -> list[str]:
         """The prefix that runs a command on ``host``."""
@@ -167,6 +169,14 @@ class Network:
 
     def _ip(self, host: Host, *args: str) -> None:
         _run(["ip", "-n", host.netns, *args])
+
+
+def bits_per_second(rate: str) -> float:
+    """``1gbit`` -> 1e9 (``tc``'s units)."""
+    for suffix, scale in (("kbit", 1e3), ("mbit", 1e6), ("gbit", 1e9), ("bit", 1.0)):
+        if rate.endswith(suffix):
+            return float(rate[: -len(suffix)]) * scale
+    raise ValueError(f"a rate such as 1gbit or 100mbit, not {rate!r}")
 
 
 def _run(argv: list[str]) -> None:
