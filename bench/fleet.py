@@ -5,7 +5,8 @@ hosts, a client host; each host's link shaped to ``--link-rate``, as a NIC of th
 servers are bound by their links as in a real fleet rather than all by the same two CPUs), puts
 the shared tier's storage on the switch host (moto's S3 server through the NIXL OBJ tier, or
 the fake Hub through the HF tier: ``--tier``) and lmserver processes on the hosts. Clients are
-``bench.fleet_worker`` processes on the client host. Three measurements:
+``bench.fleet_worker`` processes on the client host (an AsyncClient each, as the LMCache plugin
+uses: a multi-key call goes to every server at once). Three measurements:
 
 * **throughput**: aggregate PUT and GET with 1, 2 and 3 servers, ``--clients`` workers at once,
   each its own ``--objects`` keys of ``--size`` bytes (PUT: pipelined, done when an EXIST_MANY

@@ -4,9 +4,9 @@ checkout's lmclient in its place. It talks to the harness in lines on stdin and 
 prints ``{"ready": true}`` once warmed up, waits for a ``go`` line, runs, and prints one JSON
 result.
 
-``load``: PUTs (each worker its own keys, pipelined; done when an EXIST_MANY of them all says
-yes, which a server answers only after taking in every earlier PUT of their connections) or
-GETs into preallocated buffers, every byte compared.
+``load``: PUTs (each worker its own keys, pipelined, every server's share at once; done when
+an EXIST_MANY of them all says yes, which a server answers only after taking in every earlier
+PUT of their connections) or GETs into preallocated buffers, every byte compared.
 
 ``deadhost``: how long one GET of a key on a server whose link the harness cut takes, and the
 next GET of another of its keys (the client skips the server by then). ``--established``
@@ -16,13 +16,14 @@ first talks to that server, so the cut finds an open connection.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hashlib
 import json
 import sys
 import time
 from typing import Any
 
-from lmclient import Client, Timeout
+from lmclient import AsyncClient, Client, Timeout
 
 
 def value(key: str, size: int) -> bytes:
@@ -44,21 +45,27 @@ def wait_for_go() -> None:
 
 
 def load(args: argparse.Namespace) -> dict[str, Any]:
+    """An AsyncClient, as the LMCache plugin uses: each server's share of a multi-key call is
+    sent at once, so the servers work in parallel (a blocking Client asks them in turn)."""
+    return asyncio.run(_load(args))
+
+
+async def _load(args: argparse.Namespace) -> dict[str, Any]:
     keys = keys_of(args.prefix, args.count)
-    with Client(servers=args.servers.split(","), timeout=Timeout(120)) as client:
-        client.exists_many(keys)  # opens every connection these keys use
+    async with AsyncClient(servers=args.servers.split(","), timeout=Timeout(120)) as client:
+        await client.exists_many(keys)  # opens every connection these keys use
         if args.op == "put":
             values = [value(k, args.size) for k in keys]
             wait_for_go()
             started = time.perf_counter()
-            client.put_many(keys, values)
-            stored = client.exists_many(keys)
+            await client.put_many(keys, values)
+            stored = await client.exists_many(keys)
             seconds = time.perf_counter() - started
             return {"seconds": seconds, "bytes": args.size * sum(stored), "misses": stored.count(False)}
         buffers = [bytearray(args.size) for _ in keys]
         wait_for_go()
         started = time.perf_counter()
-        got = client.get_many_into(keys, buffers)
+        got = await client.get_many_into(keys, buffers)
         seconds = time.perf_counter() - started
     checked = zip(keys, got, buffers, strict=True)
     wrong = sum(1 for k, n, buf in checked if n is not None and buf != value(k, args.size))
