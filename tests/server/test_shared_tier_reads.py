@@ -102,3 +102,23 @@ def test_a_backend_that_fails_is_not_probed_for_a_while(make_server_thread, tmp_
         stats = tier_stats(w)
         # The first GET's probe failed; the gate then answers the next ones as misses at once.
         assert stats["probes"] == 1 and stats["probes_skipped"] == 5 and stats["errors"] >= 1
+
+
+def test_a_hub_that_fails_is_not_probed_for_a_while(make_server_thread, tmp_path: Path, monkeypatch) -> None:
+    pytest.importorskip("huggingface_hub")
+    from fakehub.fixtures import skip_backoff_sleeps
+
+    skip_backoff_sleeps(monkeypatch)  # huggingface_hub's own retries would take ~23 s
+    with FakeHub(tmp_path / "hub") as hub:
+        hub.create(BUCKET)
+        spec = f"hf://buckets/{BUCKET}/kv?endpoint={hub.endpoint}&token={TOKEN}&refresh={NEVER}"
+        server = make_server_thread(memory_limit=64 * MiB, tiers=(spec,))
+        hub.stop()
+        with Wire(server.host, server.port, Generation.V1) as w:
+            for n in range(6):
+                reply, _ = w.call(Command.GET, f"k{n}")
+                assert reply.status == 400
+            stats = tier_stats(w)
+            # The first GET's probe failed: the tier is unhealthy and asks the Hub nothing more.
+            assert stats["probes"] == 1 and stats["healthy"] is False and stats["misses"] == 6
+        hub.start()

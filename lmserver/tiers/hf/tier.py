@@ -608,6 +608,7 @@ class HFBucketTier(Tier):
         try:
             info = client.paths_info([path]).get(path)
         except HubError as exc:
+            self._probes.failed()
             self._failed(exc, "hf tier: probe failed; served as a miss")
             return None
         if info is None:
