@@ -188,7 +188,7 @@ class SteadyReader:
         self.client = Client(servers=servers, timeout=Timeout(1.0, connect=0.5), retry=Retry(2, 0.02, 0.1))
         self.keys = keys
         self.size = size
-        self.log: list[tuple[float, str, bool]] = []  # (monotonic time, key, served)
+        self.log: list[tuple[float, float, str, bool]] = []  # (GET sent, answered, key, served)
         self.wrong = 0
         self.stop = threading.Event()
 
@@ -196,10 +196,11 @@ class SteadyReader:
         buf = bytearray(self.size)
         while not self.stop.is_set():
             for key in self.keys:
+                sent = time.monotonic()
                 got = self.client.get_into(key, buf)
                 if got is not None and buf[:got] != value(key, self.size):
                     self.wrong += 1
-                self.log.append((time.monotonic(), key, got is not None))
+                self.log.append((sent, time.monotonic(), key, got is not None))
 
 
 def replace(fleet: Fleet, opts: Options) -> dict[str, Any]:
@@ -215,12 +216,13 @@ def replace(fleet: Fleet, opts: Options) -> dict[str, Any]:
     time.sleep(1.0)  # a second of steady reads before the kill, as the baseline
     victim = fleet.address("h2")
     owned = {k for k in keys if reader.client.server_for(k) == victim}
-    killed = time.monotonic()
-    fleet.kill("h2")
+    kill_sent = time.monotonic()
+    fleet.kill("h2")  # returns once the process is gone
+    killed = time.monotonic()  # a GET sent from now on cannot reach the old process
     fleet.restart("h2")  # a fresh process on the same host and port, at once
     listening = time.monotonic()
     deadline = time.monotonic() + 60
-    while not any(t > listening and ok and k in owned for t, k, ok in reader.log[-400:]):
+    while not any(t > listening and ok and k in owned for t, _, k, ok in reader.log[-400:]):
         if time.monotonic() > deadline:
             break
         time.sleep(0.01)
@@ -231,10 +233,10 @@ def replace(fleet: Fleet, opts: Options) -> dict[str, Any]:
     rss = server_rss_mb(fleet, names)
     fleet.stop(*names)
     log = reader.log
-    served = [t for t, k, ok in log if t > killed and ok and k in owned]
-    back = served[0] if served else float("nan")
-    before = [ok for t, _, ok in log if t <= killed]
-    away = [ok for t, _, ok in log if killed < t <= back]
+    served = [(sent, done) for sent, done, k, ok in log if sent > killed and ok and k in owned]
+    back_sent, back = served[0] if served else (float("nan"), float("nan"))
+    before = [ok for sent, _, _, ok in log if sent < kill_sent]
+    away = [ok for sent, _, _, ok in log if killed < sent < back_sent]
     return {
         "objects": len(keys),
         "victim_share": len(owned) / len(keys),
