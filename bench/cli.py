@@ -116,6 +116,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     l2.add_argument("--out", help="output folder (default bench/results/<UTC timestamp>-lmcache-l2)")
     l2.add_argument("--no-latest", action="store_true", help="do not copy lmcache_l2.json/md to bench/latest")
+    fl = sub.add_parser("fleet", help="a fleet on a namespace network: throughput, replace, dead host")
+    fl.add_argument("--tier", choices=("s3", "hf"), default="s3", help="shared tier (s3: NIXL OBJ + moto)")
+    fl.add_argument("--link-rate", default="1gbit", help="each server host's link (tc rate; 0: unshaped)")
+    fl.add_argument("--size", default="1M", help="object size")
+    fl.add_argument("--objects", type=int, default=64, help="objects per client in the throughput rounds")
+    fl.add_argument("--clients", type=int, default=3, help="client processes in the throughput rounds")
+    fl.add_argument("--rounds", type=int, default=3, help="throughput rounds (the server counts rotate)")
+    fl.add_argument("--baseline", help="another checkout whose lmclient also runs the dead-host cases")
+    fl.add_argument("--parts", default="throughput,replace,dead-host", help="which measurements to run")
+    fl.add_argument("--smoke", action="store_true", help="tiny sizes and counts, small timeout only")
+    fl.add_argument("--out", help="output folder (default bench/results/<UTC timestamp>-fleet)")
+    fl.add_argument("--no-latest", action="store_true", help="do not copy fleet.json/md to bench/latest")
     return ap
 
 
@@ -144,6 +156,18 @@ def _report(out: Path, name: str, text: str, latest: bool) -> None:
         LATEST.mkdir(parents=True, exist_ok=True)
         for suffix in (".json", ".md"):
             shutil.copy2(out / f"{name}{suffix}", LATEST / f"{name}{suffix}")
+
+
+def fleet(args: argparse.Namespace) -> int:
+    from .fleet import format_fleet, options_from, run_fleet
+
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    out = Path(args.out) if args.out else REPO / "bench" / "results" / f"{stamp}-fleet"
+    results = run_fleet(options_from(args))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fleet.json").write_text(json.dumps(results, indent=2) + "\n")
+    _report(out, "fleet", format_fleet(results), latest=not args.no_latest and not args.smoke)
+    return 0
 
 
 def stream_get(args: argparse.Namespace) -> int:
@@ -493,4 +517,6 @@ def main(argv: list[str] | None = None) -> int:
         return lmcache(args)
     if args.cmd == "lmcache-l2":
         return lmcache_l2(args)
+    if args.cmd == "fleet":
+        return fleet(args)
     return 2

@@ -70,6 +70,11 @@ class Link:
     def readable(self, key: str) -> bool:
         return key not in self._tails and self.tier.contains(key)
 
+    def fetchable(self, key: str) -> bool:
+        """Whether a GET should ask this tier (``readable``, or a shared tier that looks
+        in its backend for keys missing from its index)."""
+        return key not in self._tails and self.tier.may_hold(key)
+
     @property
     def pending(self) -> int:
         return len(self._tails)

@@ -24,7 +24,9 @@ Strategy:
 * **GET** serves memory hits synchronously. Otherwise it reads from the first place that
   holds the key (a victim in flight, then the tiers in order) straight into a memory
   reservation, and promotes it, unless a newer PUT or a DELETE happened meanwhile.
-* **EXIST, EXIST_MANY, LIST** answer from in-memory indexes of every tier; never I/O.
+* **EXIST, EXIST_MANY, LIST** answer from in-memory indexes of every tier; never I/O. A GET
+  also asks a tier whose ``may_hold`` says so (a shared tier probing its backend for keys
+  another server wrote since its last refresh).
 * **DELETE** drops the memory copy at once and queues a delete on every tier that holds
   (or is about to hold) the key, behind that key's earlier jobs; it answers when they ran.
 * Budgets: memory pinned by objects waiting for tier writes (*dirty*) is at most
@@ -405,7 +407,9 @@ class Store:
         return entry
 
     def in_lower(self, key: str) -> bool:
-        return key in self._victims or any(link.readable(key) for link in self.links)
+        """Whether a GET that missed memory should look behind it (a shared tier that
+        probes its backend says yes for keys it has not indexed)."""
+        return key in self._victims or any(link.fetchable(key) for link in self.links)
 
     async def fetch(self, key: str) -> Entry | None:
         """Read ``key`` from behind memory into a pinned memory entry (promoting it)."""
@@ -422,7 +426,7 @@ class Store:
             if entry is not None:
                 return self._promote(key, entry, victim.meta, epoch)
         for link in self.links:
-            if not link.readable(key):
+            if not link.fetchable(key):
                 continue
             reserved: list[Entry] = []
 
@@ -490,7 +494,10 @@ class Store:
     # -- EXIST, DELETE, LIST --------------------------------------------------------------
 
     def contains(self, key: str) -> bool:
-        return self.memory.contains(key) or (bool(self.links) and self.in_lower(key))
+        """EXIST: from the indexes only (never I/O, never a backend probe)."""
+        if self.memory.contains(key):
+            return True
+        return key in self._victims or any(link.readable(key) for link in self.links)
 
     async def delete(self, key: str) -> bool:
         self._delete_epoch += 1

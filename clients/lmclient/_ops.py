@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Generator, Iterable, Sequence
@@ -69,6 +70,7 @@ from ._exceptions import (
     ReadTimeout,
     ServerDown,
     ServerError,
+    TimeoutException,
     TransportError,
     WriteError,
 )
@@ -132,6 +134,9 @@ class Batch:
     settle: bool = False
     """Each op's error is its result (``return_exceptions``): an op that fails, or every
     op of a batch that fails whole, reports its error instead of raising it."""
+    deadline: float = math.inf
+    """``time.monotonic()`` by which the call that sends it must end (set by `_call`): every
+    wait of the exchange is cut to it, and no retry starts that would end past it."""
 
 
 RawPage = tuple[list[tuple[str, int]], bool]
@@ -569,11 +574,15 @@ class BaseClient:
         """The lanes of ``server`` that have a live connection (which may hold PUTs)."""
         raise NotImplementedError
 
-    async def _call(self, flow: Flow[T]) -> T:
-        """Run ``flow``: each step it yields goes to `_run`/`_run_all`, results or error back."""
+    async def _call(self, flow: Flow[T], total: float | None = None) -> T:
+        """Run ``flow``: each step it yields goes to `_run`/`_run_all`, results or error back.
+        The whole call ends within ``total`` seconds (default: `Timeout` ``total``)."""
+        deadline = time.monotonic() + (self._settings.timeout.total if total is None else total)
         try:
             step = next(flow)
             while True:
+                for batch in [step] if isinstance(step, Batch) else step:
+                    batch.deadline = deadline
                 try:
                     results = await (self._run(step) if isinstance(step, Batch) else self._run_all(step))
                 except LMClientError as exc:
@@ -598,6 +607,13 @@ class BaseClient:
     async def _run(self, batch: Batch) -> list[Any]:
         """One batch's results; a server that is down answers with the ops' fallbacks."""
         server = self._servers[batch.server]
+        if time.monotonic() >= batch.deadline:
+            # The call's earlier batches used up its time (one server after another, in the
+            # blocking client): this server was never asked, so it is not marked down.
+            late = TimeoutException(f"the call's deadline passed before lm://{server.address} was asked")
+            if not self._skip_down:
+                raise late
+            return self._unavailable(batch, late)
         if self._skip_down and time.monotonic() < server.retry_at:
             return self._unavailable(batch, None)
         try:
@@ -615,14 +631,15 @@ class BaseClient:
         return results
 
     async def _attempts(self, batch: Batch) -> list[Any]:
-        """One batch's results, retried on fresh connections as the policy allows."""
+        """One batch's results, retried on fresh connections as the policy and the call's
+        deadline allow."""
         for attempt in itertools.count():
             try:
                 return interpret(batch, await self._exchange(batch))
             except TransportError as exc:
                 retryable = not batch.probe or isinstance(exc, ConnectError | ConnectTimeout)
                 delay = self._settings.retry.delay(exc, attempt) if retryable else None
-                if delay is None:
+                if delay is None or time.monotonic() + delay >= batch.deadline:
                     raise
                 log.debug("retrying in %.3fs after %s: %s", delay, type(exc).__name__, exc)
                 await self._sleep(delay)

@@ -25,7 +25,9 @@ Options, as ``remote_storage_plugin.<name>.<option>`` in ``extra_config``:
 
 - ``url`` (required; or env ``LMSERVER_URL``): ``lm://host:port[,host:port...]``.
 - ``max_connections`` (4): connections per server.
-- ``timeout`` (10): seconds any one wait may take (connect: at most 2).
+- ``timeout`` (10): seconds one call may take in all: connecting (at most 2 s an attempt),
+  retries, their backoff and every wait (lmclient's ``Timeout`` ``total``), so a server that
+  is down costs a lookup, store or retrieval at most this, once per skip period.
 - ``retries`` (1): immediate reconnect-and-retry attempts before a server counts as down.
 - ``put_ack`` (false): store with PUT_ACK (the put coroutine waits for the server).
 """
@@ -67,7 +69,7 @@ log = logging.getLogger("lmclient.lmcache")
 LOG_EVERY = 30.0
 """Seconds between two log lines about failures of one kind (the rest are counted)."""
 SYNC_SLACK = 5.0
-"""Seconds a synchronous call waits beyond the client's own timeouts before it gives up."""
+"""Seconds a synchronous call waits beyond the client's own deadline before it gives up."""
 
 
 class _Allocation:
@@ -191,7 +193,7 @@ class LMServerConnector(RemoteConnector):  # type: ignore[misc]
             exist_many="auto",
             skip_down=True,  # a server that fails is skipped (misses) and retried with backoff
         )
-        self._sync_timeout = seconds * 2 + SYNC_SLACK
+        self._sync_timeout = seconds + SYNC_SLACK
         self._failures = FailureLog(log, "lmserver", LOG_EVERY)
         log.info("lmserver plugin: %s (put_ack=%s)", url, self.put_ack)
 

@@ -96,6 +96,17 @@ class LRUIndex(Generic[R]):
                 self._sorted.remove(key)
             self._put_locked(key, record)
 
+    def adopt(self, key: str, record: R) -> R:
+        """Add a record found in the backend (a shared tier's probe), as the most recently
+        used, unless ``key`` has one meanwhile; returns the record the index now holds (no
+        capacity check: call ``overflow()`` after)."""
+        with self.lock:
+            current = self.records.get(key)
+            if current is not None:
+                return current
+            self._put_locked(key, record)
+        return record
+
     def reserve(self, size: int) -> list[tuple[str, R]] | None:
         """Book ``size`` bytes, taking LRU records out of the index as needed. Returns the
         victims (possibly none), or None if even evicting everything cannot make room now

@@ -9,6 +9,8 @@ Fake peers, each a plain socket listener on loopback served by threads, for what
 lmserver never does (fixtures ``silent_server``, ``fake_upstream``, ``drop_first_relay``):
 
 * `SilentServer`: accepts connections and never reads or answers (timeouts).
+* `UnansweredPort` (fixture ``unanswered_port``): connections are never accepted (a host
+  that is down: connect timeouts).
 * `FakeUpstream`: an upstream-like lm:// server built on lmproto: PUT/GET/EXIST/LIST only,
   and on an extension command either answers 400 (``mode="fail"``) or goes silent on that
   connection (``mode="silent"``, as upstream's v0 server does); ``mode="delete"`` also
@@ -103,6 +105,13 @@ def silent_server() -> Iterator[SilentServer]:
 
 
 @pytest.fixture
+def unanswered_port() -> Iterator[UnansweredPort]:
+    port = UnansweredPort()
+    yield port
+    port.close()
+
+
+@pytest.fixture
 def fake_upstream() -> Iterator[Callable[[Generation, str], FakeUpstream]]:
     made: list[FakeUpstream] = []
 
@@ -182,6 +191,26 @@ class _Listener:
 
 class SilentServer(_Listener):
     """Accepts and holds connections; reads nothing, answers nothing."""
+
+
+class UnansweredPort:
+    """A port whose SYNs go unanswered, as a host that is down (or behind a cut link) looks
+    to a client: a listener that never accepts, its backlog filled by other connections."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0), backlog=0)
+        self.host, self.port = self.listener.getsockname()[:2]
+        self.fillers: list[socket.socket] = []
+        for _ in range(8):
+            filler = socket.socket()
+            filler.setblocking(False)
+            filler.connect_ex((self.host, self.port))
+            self.fillers.append(filler)
+
+    def close(self) -> None:
+        for filler in self.fillers:
+            filler.close()
+        self.listener.close()
 
 
 class FakeUpstream(_Listener):
