@@ -7,11 +7,14 @@ every ratio compares like with like on a host whose speed moves between runs:
   device takes at its best through the page cache);
 * **file per object**: a create, a write, a close and a rename per object (the layout the
   disk tier had before its log; no fsync, as ``--fsync never``);
+Each size runs ``--rounds`` rounds of all five; a ratio is the median of the rounds' own
+ratios, with their range.
+
 * **tier drain**: objects of the given size in page-aligned memory (as memory-tier slots
   are) handed to a ``DiskTier`` with ``--in-flight`` puts outstanding (as the chain's
   write-behind queue does), timed until the last put completes;
 * **device read** / **tier read**: the sequential file, and the tier's objects in write
-  order (``--in-flight`` GETs outstanding), each after its pages were dropped from the page
+  order (``--in-flight`` GETs outstanding at all times), each after its pages were dropped from the page
   cache (``posix_fadvise``), so both come from the device.
 
 Run against another checkout's tier with ``PYTHONPATH=/path/to/checkout`` (the tier API is
@@ -27,6 +30,7 @@ import json
 import mmap
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -128,17 +132,25 @@ async def tier_drain_and_read(
         for path in root.rglob("*"):
             if path.is_file() and not path.name.startswith("index"):
                 _drop_cache(path)
-        targets = [mmap.mmap(-1, size) for _ in range(in_flight)]
+        targets = [_filled(size) for _ in range(in_flight)]  # touched, as memory-tier slots are
+
+        busy: list[mmap.mmap] = []
 
         async def get(i: int) -> None:
             async with slots:
-                target = memoryview(targets[i % in_flight])
-                if await tier.get_into(f"obj{i:07d}", lambda n: target[:n]) is None:
-                    raise RuntimeError(f"obj{i} missed")
+                buf = targets.pop()  # one of in_flight buffers, none shared by two reads
+                busy.append(buf)
+                target = memoryview(buf)
+                try:
+                    if await tier.get_into(f"obj{i:07d}", lambda n: target[:n]) is None:
+                        raise RuntimeError(f"obj{i} missed")
+                finally:
+                    target.release()
+                    busy.remove(buf)
+                    targets.append(buf)
 
         started = time.perf_counter()
-        for first in range(0, count, in_flight):  # in write order, in_flight at a time
-            await asyncio.gather(*(get(i) for i in range(first, min(first + in_flight, count))))
+        await asyncio.gather(*(get(i) for i in range(count)))  # asked in write order
         read = time.perf_counter() - started
         usage = tier.usage().counters
     finally:
@@ -147,52 +159,67 @@ async def tier_drain_and_read(
     return drain, read, usage
 
 
-def run(directory: Path, sizes: list[str], total: int, in_flight: int, fsync: str) -> list[dict[str, Any]]:
+def measure(directory: Path, size: int, count: int, in_flight: int, fsync: str) -> dict[str, float]:
+    """One round: MB/s of each of the five measurements, one after another."""
+    moved = count * size
+    work = Path(tempfile.mkdtemp(prefix="disktier-", dir=directory))
+    try:
+        write_s, seq = device_write(work, moved)
+        read_s = device_read(seq)
+        seq.unlink()
+        files_s = file_per_object(work, size, count)
+        drain_s, tier_read_s, _usage = asyncio.run(tier_drain_and_read(work, size, count, in_flight, fsync))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {
+        "device_write": moved / write_s / 1e6,
+        "file_per_object": moved / files_s / 1e6,
+        "tier_drain": moved / drain_s / 1e6,
+        "device_read": moved / read_s / 1e6,
+        "tier_read": moved / tier_read_s / 1e6,
+    }
+
+
+RATIOS = {
+    "drain_x_device": ("tier_drain", "device_write"),
+    "drain_x_file_per_object": ("tier_drain", "file_per_object"),
+    "read_x_device": ("tier_read", "device_read"),
+}
+
+
+def run(
+    directory: Path, sizes: list[str], total: int, in_flight: int, fsync: str, rounds: int
+) -> list[dict[str, Any]]:
     rows = []
     for name in sizes:
         size = SIZES[name]
         count = max(4, total // size)
-        moved = count * size
-        work = Path(tempfile.mkdtemp(prefix="disktier-", dir=directory))
-        try:
-            write_s, seq = device_write(work, moved)
-            read_s = device_read(seq)
-            seq.unlink()
-            files_s = file_per_object(work, size, count)
-            drain_s, tier_read_s, usage = asyncio.run(
-                tier_drain_and_read(work, size, count, in_flight, fsync)
-            )
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-        mbps = {
-            "device_write": moved / write_s / 1e6,
-            "file_per_object": moved / files_s / 1e6,
-            "tier_drain": moved / drain_s / 1e6,
-            "device_read": moved / read_s / 1e6,
-            "tier_read": moved / tier_read_s / 1e6,
-        }
-        rows.append(
-            {
-                "size": name,
-                "objects": count,
-                "bytes": moved,
-                "mb_per_s": {k: round(v) for k, v in mbps.items()},
-                "drain_x_device": round(mbps["tier_drain"] / mbps["device_write"], 2),
-                "drain_x_file_per_object": round(mbps["tier_drain"] / mbps["file_per_object"], 2),
-                "read_x_device": round(mbps["tier_read"] / mbps["device_read"], 2),
-                "device_writes": usage.get("device_writes"),
+        measured = [measure(directory, size, count, in_flight, fsync) for _ in range(rounds)]
+        row: dict[str, Any] = {"size": name, "objects": count, "bytes": count * size, "rounds": rounds}
+        row["mb_per_s"] = {k: round(statistics.median(m[k] for m in measured)) for k in measured[0]}
+        for ratio, (num, den) in RATIOS.items():
+            per_round = sorted(m[num] / m[den] for m in measured)
+            row[ratio] = {
+                "median": round(statistics.median(per_round), 2),
+                "min": round(per_round[0], 2),
+                "max": round(per_round[-1], 2),
             }
-        )
-        print(_line(rows[-1]), flush=True)
+        rows.append(row)
+        print(_line(row), flush=True)
     return rows
 
 
 def _line(row: dict[str, Any]) -> str:
     m = row["mb_per_s"]
+
+    def ratio(name: str) -> str:
+        r = row[name]
+        return f"{r['median']:.2f}x ({r['min']:.2f}-{r['max']:.2f})"
+
     return (
-        f"{row['size']:>6}  drain {m['tier_drain']:>5} MB/s = {row['drain_x_device']:.2f}x device write "
-        f"({m['device_write']} MB/s), {row['drain_x_file_per_object']:.2f}x file-per-object "
-        f"({m['file_per_object']} MB/s);  read {m['tier_read']:>5} MB/s = {row['read_x_device']:.2f}x "
+        f"{row['size']:>6}  drain {m['tier_drain']:>5} MB/s = {ratio('drain_x_device')} device write "
+        f"({m['device_write']} MB/s), {ratio('drain_x_file_per_object')} file-per-object "
+        f"({m['file_per_object']} MB/s);  read {m['tier_read']:>5} MB/s = {ratio('read_x_device')} "
         f"device read ({m['device_read']} MB/s)"
     )
 
@@ -204,14 +231,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--total", type=int, default=1 << 30, help="bytes per size (default 1 GiB)")
     ap.add_argument("--in-flight", type=int, default=16, help="puts (and gets) outstanding")
     ap.add_argument("--fsync", default="never", choices=("never", "batch", "always"))
+    ap.add_argument("--rounds", type=int, default=3, help="rounds per size (median ratio, range)")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     args = ap.parse_args(argv)
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     unknown = [s for s in sizes if s not in SIZES]
     if unknown:
         ap.error(f"unknown size(s) {unknown}; choose from {list(SIZES)}")
-    print(f"# disk tier vs device: {args.dir}, {args.total >> 20} MiB per size, {args.in_flight} in flight")
-    rows = run(args.dir, sizes, args.total, args.in_flight, args.fsync)
+    print(
+        f"# disk tier vs device: {args.dir}, {args.total >> 20} MiB per size, {args.in_flight} in flight,"
+        f" {args.rounds} rounds (median ratio of the rounds, range)"
+    )
+    rows = run(args.dir, sizes, args.total, args.in_flight, args.fsync, args.rounds)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
     return 0
