@@ -206,7 +206,10 @@ def start_lmserver(
     spec = TargetSpec("lm", "127.0.0.1", port, 0, put_ack)
     if not put_ack:
         note = (note + "; " if note else "") + "no PUT_ACK reply: sequential PUT uses PUT+EXIST"
-    return Target(name, spec, pid=proc.pid, note=note, managed=proc, extra={"log": str(log)})
+    extra: dict[str, Any] = {"log": str(log)}
+    if listening is not None and "startup_s" in listening:
+        extra["startup_s"] = listening["startup_s"]  # process start to listening, as it measured
+    return Target(name, spec, pid=proc.pid, note=note, managed=proc, extra=extra)
 
 
 def start_redis_local(out: Path, startup: float = 10.0, wrapper: Sequence[str] = ()) -> Target:

@@ -25,7 +25,7 @@ from .memory import MemoryTier
 from .plain import PlainListener, create_plain_server
 from .sizes import format_size
 from .state import ServerState
-from .stats import log_periodically, native_modules, trim_idle_memory
+from .stats import log_periodically, native_modules, seconds_since_start, trim_idle_memory
 from .store import Store
 from .tiers.base import ConfigError, Tier
 from .tiers.spec import ChainOptions, TierSpec
@@ -111,6 +111,7 @@ class Server:
             tls_port=self.tls_port,
             metrics_port=self.metrics_port,
             allow=list(self.config.allow) or None,
+            startup_s=seconds_since_start(),
         )
 
     async def _start_operations(self, loop: asyncio.AbstractEventLoop) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from typing import Any
 
@@ -41,6 +42,18 @@ def server_stats(state: ServerState) -> dict[str, Any]:
         "counters": dict(sorted(counters.items())),
         "store": store,
     }
+
+
+def seconds_since_start() -> float | None:
+    """Seconds since this process started (Linux: its start time in /proc/self/stat against
+    the boot clock, 10 ms resolution), for the ``listening`` line; None elsewhere."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime, in ticks
+        return round(time.clock_gettime(time.CLOCK_BOOTTIME) - started, 3)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
 
 
 def native_modules() -> list[str]:

@@ -29,8 +29,6 @@ from pathlib import Path
 
 import structlog
 
-from lmproto import ObjectMeta
-
 from .._diskfile import ALIGN, CorruptFile, Header
 from . import index as dbindex
 from .records import Record, from_header, read_header
@@ -114,17 +112,7 @@ def load(db_path: Path, segments: SegmentSet, *, check_files: bool | None) -> Lo
 
 def _load_rows(conn: sqlite3.Connection) -> Loaded:
     loaded = Loaded(conn, source="index")
-    records = loaded.records
-    metas: dict[tuple[int, ...], ObjectMeta] = {}  # objects of one model share metadata
-    make = tuple.__new__
-    recency = 0
-    for key, seg, off, size, hlen, blen, crc, f, d, s0, s1, s2, s3, loc, recency in dbindex.load_rows(conn):  # noqa: B007
-        mkey = (f, d, s0, s1, s2, s3, loc)
-        meta = metas.get(mkey)
-        if meta is None:
-            meta = metas.setdefault(mkey, ObjectMeta(f, d, (s0, s1, s2, s3), loc))
-        records[key] = make(Record, (seg, off, size, hlen, blen, crc, meta))
-    loaded.clock = recency
+    loaded.records, loaded.clock = dbindex.load_records(conn)
     return loaded
 
 
@@ -197,17 +185,8 @@ def _rows(keys: list[str], loaded: Loaded) -> list[dbindex.Row]:
     rows = []
     for key in keys:
         loaded.clock += 1
-        rows.append(row(key, loaded.records[key], loaded.clock))
+        rows.append(dbindex.row(key, loaded.records[key], loaded.clock))
     return rows
-
-
-def row(key: str, rec: Record, recency: int) -> dbindex.Row:
-    m = rec.meta
-    s0, s1, s2, s3 = m.shape
-    return (
-        key, rec.segment, rec.offset, rec.size, rec.header_len, rec.body_len, rec.crc,
-        m.fmt, m.dtype, s0, s1, s2, s3, m.location, recency,
-    )  # fmt: skip
 
 
 def _ends(segments: SegmentSet) -> dict[int, int]:

@@ -50,6 +50,7 @@ import fcntl
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -236,11 +237,11 @@ class DiskTier(Tier):
         loaded = recovery.load(self._db_path, self._segments, check_files=self.check_files)
         try:
             self._counters["missing"] += loaded.missing
-            for key, rec in loaded.records.items():
-                self._index.load(key, rec)
-                segment = self._segments.get(rec.segment)
+            self._index.load_all(loaded.records)
+            for segment_id, live in Counter(rec.segment for rec in loaded.records.values()).items():
+                segment = self._segments.get(segment_id)
                 if segment is not None:
-                    self._segments.add_live(segment)
+                    self._segments.add_live(segment, live)
             self._drop_empty_segments()
             dbindex.set_meta_durably(loaded.conn, "clean", "0")
         except BaseException:
@@ -434,7 +435,7 @@ class DiskTier(Tier):
             self._counters["device_writes"] += 1
             self._counters["device_write_bytes"] += record.size
         assert self._db is not None
-        self._db.submit(dbindex.upsert_op(recovery.row(record.key, rec, recency)))
+        self._db.submit(dbindex.upsert_op(dbindex.row(record.key, rec, recency)))
         if old is not None:
             self._release(old)
         done.set_result(True)

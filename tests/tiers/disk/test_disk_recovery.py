@@ -29,6 +29,7 @@ from disktier import (
 from lmproto import ObjectMeta
 from lmserver.tiers import _diskfile
 from lmserver.tiers.disk import DiskTier
+from lmserver.tiers.disk import index as dbindex
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -195,12 +196,7 @@ async def test_unclean_stop_finds_records_the_index_missed(root: Path) -> None:
     await t.close()
     # The crash: the rows of the last two writes never committed, the watermark stayed.
     db_execute(root, "DELETE FROM objects WHERE key = 'late'")
-    db_execute(
-        root,
-        "UPDATE objects SET segment = ?, offset = ?, size = ?, header_len = ?, body_len = ?, crc = ?"
-        " WHERE key = 'key-1'",
-        (old.segment, old.offset, old.size, old.header_len, old.body_len, old.crc),
-    )
+    db_execute(root, "INSERT OR REPLACE INTO objects VALUES (?, ?, ?, ?)", dbindex.row("key-1", old, 1))
     db_execute(root, "UPDATE segments SET safe = ?", (min(late.offset, record_of_offset_of_newer(root)),))
     mark_unclean(root)
     t = await reopen(root)
@@ -313,6 +309,7 @@ import structlog
 structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
 from lmproto import ObjectMeta
 from lmserver.tiers.disk import DiskTier
+from lmserver.tiers.disk import index as dbindex
 
 def body(key, version):
     head = f"{key}:{version}:".encode()
