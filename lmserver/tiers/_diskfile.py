@@ -166,7 +166,19 @@ def prepare(key: str, data: memoryview, meta: ObjectMeta, *, align: int = 0) -> 
     if data.format != "B" or data.ndim != 1:
         data = data.cast("B")
     key_bytes = key.encode("utf-8")
-    return data, key_bytes, len(encode_header(key_bytes, len(data), 0, meta, 0, align=align))
+    if meta not in _checked_metas:  # objects of one model share theirs: checked once
+        encode_header(key_bytes, len(data), 0, meta, 0)  # raises ValueError for what cannot be held
+        if len(_checked_metas) < 4096:
+            _checked_metas.add(meta)
+    if len(key_bytes) > MAX_KEY_BYTES:
+        raise ValueError(f"key of {len(key_bytes)} bytes exceeds {MAX_KEY_BYTES}")
+    exact = HEADER_OVERHEAD + len(key_bytes)
+    return data, key_bytes, -(-exact // align) * align if align else exact
+
+
+_checked_metas: set[ObjectMeta] = set()
+"""Metadata known to fit the header (``prepare`` would otherwise encode a header per object
+only to learn its length)."""
 
 
 def decode_header(buf: bytes | bytearray | memoryview) -> Header:

@@ -8,15 +8,21 @@ they run in a bounded pool owned by the tier. Two rules make that safe, written 
   be reused, then re-raises the cancellation.
 * After ``shutdown`` nothing new starts: ``run`` raises ``TierClosed`` instead of the
   executor's RuntimeError, so callers treat it as a miss or a declined write.
+
+``Completions`` hands results from threads to an event loop's futures one batch per wake-up:
+a wake-up (``call_soon_threadsafe``) per object written was the largest cost of a stream of
+64 KiB disk writes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
+import threading
 from collections.abc import Callable
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from .base import TierError
 
@@ -74,3 +80,30 @@ class Workers:
         """Finish what was started (when ``wait``), start nothing new."""
         self.closed = True
         self._pool.shutdown(wait=wait)
+
+
+class Completions:
+    """Results set from any thread on futures of one event loop: the loop is woken once for
+    everything set since its last wake-up, not once per result."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Future[Any], Any]] = []
+        self._scheduled = False
+
+    def set_result(self, future: asyncio.Future[_T], result: _T) -> None:
+        with self._lock:
+            self._pending.append((future, result))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody awaits these now
+            self._loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self._lock:
+            batch, self._pending, self._scheduled = self._pending, [], False
+        for future, result in batch:
+            if not future.done():
+                future.set_result(result)

@@ -146,8 +146,20 @@ def apply_changes(
     conn.execute("COMMIT")
 
 
+class _Upsert:
+    """One row to write; the writer thread writes a run of them with one executemany."""
+
+    __slots__ = ("row",)
+
+    def __init__(self, row: Row) -> None:
+        self.row = row
+
+    def __call__(self, conn: sqlite3.Connection) -> None:
+        conn.execute(_UPSERT, self.row)
+
+
 def upsert_op(row: Row) -> Op:
-    return lambda conn: conn.execute(_UPSERT, row)
+    return _Upsert(row)
 
 
 def delete_op(key: str) -> Op:
@@ -239,11 +251,20 @@ class IndexWriter:
         waiters: list[concurrent.futures.Future[None]] = []
         try:
             self._conn.execute("BEGIN")
+            rows: list[Row] = []  # a run of upserts, written together (in order with the rest)
             for op in batch:
+                if isinstance(op, _Upsert):
+                    rows.append(op.row)
+                    continue
+                if rows:
+                    self._conn.executemany(_UPSERT, rows)
+                    rows = []
                 if isinstance(op, concurrent.futures.Future):
                     waiters.append(op)
                 else:
                     op(self._conn)
+            if rows:
+                self._conn.executemany(_UPSERT, rows)
             self._conn.execute("COMMIT")
         except Exception as exc:  # sqlite3.Error, or a bug: never kill the writer thread
             self.errors += 1

@@ -43,7 +43,6 @@ All blocking work (file I/O, fsync, SQLite) runs in threads; the event loop neve
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import errno
 import fcntl
@@ -64,7 +63,7 @@ from .. import _diskfile
 from ..base import COMMON_COUNTERS, Alloc, ConfigError, Tier, TierUsage
 from ..lru_index import LRUIndex
 from ..spec import Mode, TierSpec
-from ..threaded import TierClosed, Workers, uncancellable
+from ..threaded import Completions, TierClosed, Workers, uncancellable
 from . import index as dbindex
 from . import recovery
 from .recency import Recency
@@ -187,6 +186,7 @@ class DiskTier(Tier):
         self._db: dbindex.IndexWriter | None = None
         self._lock_fd: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._completions: Completions | None = None
         self._closed = False
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -200,6 +200,7 @@ class DiskTier(Tier):
         if self._workers is not None:
             raise RuntimeError("DiskTier.open() called twice")
         self._loop = asyncio.get_running_loop()
+        self._completions = Completions(self._loop)
         self._workers = Workers(self._max_workers, "disk")
         try:
             await self._workers.run(self._open_sync)
@@ -379,7 +380,8 @@ class DiskTier(Tier):
             self._warn("object larger than the disk tier's capacity", size=size, capacity=self.capacity)
             return False
         self._maintain()
-        done: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        assert self._loop is not None and self._completions is not None
+        done: asyncio.Future[bool] = self._loop.create_future()
         record = Append(
             key,
             key_bytes,
@@ -391,7 +393,7 @@ class DiskTier(Tier):
             on_done=lambda rec, error: self._written(rec, error, done),
         )
         writer.append(record)
-        return await uncancellable(asyncio.wrap_future(done))
+        return await uncancellable(done)
 
     def _admit(self, record: Append, before_wait: Callable[[], None]) -> bool:
         """On the log writer's placing thread: book the record's space before it is written
@@ -404,11 +406,11 @@ class DiskTier(Tier):
         record.on_done(record, _Declined())
         return False
 
-    def _written(self, record: Append, error: OSError | None, done: concurrent.futures.Future[bool]) -> None:
+    def _written(self, record: Append, error: OSError | None, done: asyncio.Future[bool]) -> None:
         """On a writer thread: index a written record, or give back a failed one's space."""
         segment = record.segment
         if isinstance(error, _Declined):
-            done.set_result(False)
+            self._done(done, False)
             return
         if error is not None or segment is None:
             self._index.cancel(record.size)
@@ -416,7 +418,7 @@ class DiskTier(Tier):
                 self._index.hold(record.size)
                 self._release(Record(segment.id, record.offset, record.size, 0, 0, 0, record.meta))
             self._write_failed(record, error)
-            done.set_result(False)
+            self._done(done, False)
             return
         rec = Record(
             segment.id,
@@ -438,7 +440,11 @@ class DiskTier(Tier):
         self._db.submit(dbindex.upsert_op(dbindex.row(record.key, rec, recency)))
         if old is not None:
             self._release(old)
-        done.set_result(True)
+        self._done(done, True)
+
+    def _done(self, done: asyncio.Future[bool], ok: bool) -> None:
+        assert self._completions is not None
+        self._completions.set_result(done, ok)
 
     def _write_failed(self, record: Append, error: OSError | None) -> None:
         if error is not None and error.errno == errno.ESHUTDOWN:
