@@ -26,14 +26,18 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
-from ..sizes import parse_size
+from ..sizes import MAX_SIZE, format_size, parse_size
 from .base import ConfigError
 
 Mode = Literal["write-behind", "demote"]
 MODES: tuple[Mode, ...] = ("write-behind", "demote")
 DEFAULT_QUEUE_BYTES = 256 * 1024**2
+MAX_COUNT = 1024
+"""Largest integer option unless a tier says otherwise: counts of threads (``workers``),
+lanes and batch entries, where a typo of a few digits would start thousands of threads."""
 _S = TypeVar("_S", bound=str)
-_SECRET = re.compile(r"(?<=[?&])(token|secret|password)=[^&]*", re.IGNORECASE)
+_SECRET = re.compile(r"(?<=[?&])([^=&]*(?:token|secret|password)[^=&]*)=[^&]*", re.IGNORECASE)
+"""Options whose values are masked in logs and errors: ``token``, ``secret_key``, ..."""
 
 
 @dataclass(frozen=True)
@@ -81,16 +85,19 @@ class TierSpec:
         value = self._raw(name)
         return default if value is None else value
 
-    def size(self, name: str, default: int) -> int:
+    def size(self, name: str, default: int, *, minimum: int = 0) -> int:
         value = self._raw(name)
         if value is None:
             return default
         try:
-            return parse_size(value)
+            size = parse_size(value)
         except ValueError:
-            raise self._fail(name, value, "a size such as 64GiB") from None
+            raise self._fail(name, value, f"a size such as 64GiB, at most {format_size(MAX_SIZE)}") from None
+        if size < minimum:
+            raise self._fail(name, value, f"a size of at least {format_size(minimum)}")
+        return size
 
-    def integer(self, name: str, default: int, *, minimum: int = 0) -> int:
+    def integer(self, name: str, default: int, *, minimum: int = 0, maximum: int = MAX_COUNT) -> int:
         value = self._raw(name)
         if value is None:
             return default
@@ -98,8 +105,8 @@ class TierSpec:
             number = int(value)
         except ValueError:
             raise self._fail(name, value, "an integer") from None
-        if number < minimum:
-            raise self._fail(name, value, f"an integer >= {minimum}")
+        if not minimum <= number <= maximum:
+            raise self._fail(name, value, f"an integer from {minimum} to {maximum}")
         return number
 
     def seconds(self, name: str, default: float, *, minimum: float = 0.0) -> float:
