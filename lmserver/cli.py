@@ -20,8 +20,15 @@ import click
 from lmproto import REPLY_SIZE, Command, Generation, Status, decode_json, decode_reply, encode_request
 
 from . import __version__, hardexit
-from .config import DEFAULT_DISK_LIMIT, DEFAULT_MAX_OBJECT_SIZE, DEFAULT_PORT, ServerConfig
-from .configfile import use_config_file
+from .config import (
+    DEFAULT_DISK_LIMIT,
+    DEFAULT_MAX_OBJECT_SIZE,
+    DEFAULT_PORT,
+    MAX_CONNECTIONS,
+    OptionError,
+    ServerConfig,
+)
+from .configfile import describe, use_config_file
 from .sizes import format_size, parse_size
 
 
@@ -165,7 +172,7 @@ def main() -> None:
 )
 @click.option(
     "--max-connections",
-    type=click.IntRange(1),
+    type=click.IntRange(1, MAX_CONNECTIONS),
     default=4096,
     envvar=_env("MAX_CONNECTIONS"),
     show_envvar=True,
@@ -173,7 +180,7 @@ def main() -> None:
 )
 @click.option(
     "--max-connections-per-address",
-    type=click.IntRange(1),
+    type=click.IntRange(1, MAX_CONNECTIONS),
     default=1024,
     envvar=_env("MAX_CONNECTIONS_PER_ADDRESS"),
     show_envvar=True,
@@ -215,7 +222,7 @@ def main() -> None:
 )
 @click.option(
     "--max-list-keys",
-    type=click.IntRange(1),
+    type=click.IntRange(1, 2**31 - 1),
     default=1_000_000,
     envvar=_env("MAX_LIST_KEYS"),
     show_envvar=True,
@@ -345,11 +352,12 @@ def serve(positional: tuple[str, ...], **options: Any) -> None:
             options["disk"] = Path(positional[2])
     if options["memory_limit"] is None:
         del options["memory_limit"]
+    ctx = click.get_current_context()
     try:
         config = ServerConfig(**options)
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
-    status = run(config)
+    except OptionError as exc:
+        raise click.UsageError(describe(ctx, exc)) from None
+    status = run(config, lambda exc: describe(ctx, exc))
     hardexit.set_exit_code(status)  # honoured if a native library forces a hard exit
     sys.exit(status)
 
