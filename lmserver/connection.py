@@ -870,7 +870,8 @@ class LMProtocol(asyncio.BufferedProtocol):
         if ok:
             slot.buffers.append(self._canned[Status.SUCCESS])
         else:
-            reason = encode_error_text("stored in memory, not on disk")
+            # The tier that must hold it first refused it (full, failing, or the object too large).
+            reason = encode_error_text(f"stored in memory, not in tier {self.store.links[0].name}")
             header = encode_reply(Status.NO_SPACE, len(reason), generation=self.generation)
             slot.buffers += (header, reason)
         slot.ready = True

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from startup import startup_error
 from tiers.nixl_support import S3Server, obj_spec, s3
 from wire import Wire
 
@@ -92,3 +93,33 @@ def test_a_server_whose_s3_transfer_hung_still_exits(spawn_server, tmp_path: Pat
             assert wait_for(w, "timeouts", 1)["healthy"] is False
             assert w.get("k") == value("k", 10 * KiB)  # memory still serves it
         assert proc.terminate(timeout=60) == 0
+
+
+def test_a_bucket_that_does_not_exist_is_a_startup_error(s3: S3Server) -> None:
+    """It printed a ~40-line traceback and exited 1."""
+    spec = obj_spec(s3, "no-such-bucket", capacity="1MiB")
+    error = startup_error("--tier", spec)
+    assert error.startswith("--tier nixl:s3://no-such-bucket/") and "secret_key=***" in error
+
+
+def test_a_directory_another_server_uses_is_a_startup_error(spawn_server, tmp_path: Path) -> None:
+    spec = f"nixl:{tmp_path / 'nx'}?capacity=1MiB"
+    spawn_server("--tier", spec)
+    error = startup_error("--tier", spec)
+    assert error.startswith(f"--tier {spec}: ") and "in use" in error
+
+
+def test_an_object_too_large_for_a_slot_is_counted_once(spawn_server, tmp_path: Path) -> None:
+    """Declined by the write behind, then again when memory evicted it (the demotion): the
+    static pool's declined_too_large said 2 for one object."""
+    tier = f"nixl:{tmp_path / 'nx'}?layout=static&slot_size=64KiB&slots=4&mode=write-behind"
+    proc = spawn_server("--memory-limit", "4MiB", "--tier", tier)
+    with Wire(proc.host, proc.port) as w:
+        w.send(Command.PUT, "big", value("big", 100 * KiB), META)  # larger than a slot
+        st = wait_for(w, "declined_too_large", 1)
+        for i in range(200):  # 6 MiB of small objects: memory evicts "big" and offers it again
+            w.put(f"small{i}", value(f"small{i}", 30 * KiB), META)
+        st = wait_for(w, "demotions_skipped", 0)
+        reply, _ = w.call(Command.EXIST, "big")
+        assert reply.status != 200  # evicted from memory, never stored below
+        assert nixl_stats(w)["declined_too_large"] == 1, st
