@@ -239,7 +239,10 @@ class Admission:
             self.state.handshakes.discard(pending)
             self.state.release_address(pending.address)
 
-    def close(self) -> None:
-        """Stop every handshake in progress (the server is stopping)."""
-        for pending in list(self.state.handshakes):
-            pending.displace()
+    async def close(self) -> None:
+        """Stop every handshake in progress (the server is stopping), and wait until they
+        have: the loop then owns no socket of theirs when it closes."""
+        pending = list(self.state.handshakes)
+        for handshake in pending:
+            handshake.displace()
+        await asyncio.gather(*(h.task for h in pending if h.task is not None), return_exceptions=True)

@@ -176,7 +176,9 @@ def main() -> None:
     default=4096,
     envvar=_env("MAX_CONNECTIONS"),
     show_envvar=True,
-    help="Connections served at once; more are closed on accept.",
+    help="Connections served at once, TLS handshakes in progress included. At the limit a newcomer "
+    "displaces the longest-idle connection of the most crowded address, or is closed on accept when "
+    "none is idle.",
 )
 @click.option(
     "--max-connections-per-address",
@@ -267,9 +269,9 @@ def main() -> None:
     metavar="CIDR",
     envvar=_env("ALLOW"),
     show_envvar=True,
-    help="Only peers in this network (10.0.0.0/8) or with this address may connect; repeatable "
-    "(the variable takes a space- or comma-separated list). Others are closed at accept. "
-    "[default: everyone who can reach --host]",
+    help="Only peers in this network (10.0.0.0/8) or with this address may connect, to every port; "
+    "repeatable (the variable takes a space- or comma-separated list). Others are closed at accept, "
+    "before a TLS handshake. [default: everyone who can reach --host]",
 )
 @click.option(
     "--plain/--no-plain",
@@ -316,7 +318,8 @@ def main() -> None:
     default=None,
     envvar=_env("METRICS_PORT"),
     show_envvar=True,
-    help="Serve Prometheus metrics over HTTP at /metrics on this port. [default: off]",
+    help="Serve Prometheus metrics over HTTP at /metrics on this port (on the event loop; --allow "
+    "applies; 16 connections at most). [default: off]",
 )
 @click.option(
     "--metrics-host",

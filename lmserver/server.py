@@ -223,7 +223,7 @@ class Server:
         state.shutting_down = True
         for listener in self._listeners:
             listener.close()
-        self.admission.close()
+        await self.admission.close()
         for connection in list(state.connections):
             connection.shutdown()
         if state.connections:
@@ -270,30 +270,40 @@ def run(config: ServerConfig, describe: Callable[[OptionError], str] = str) -> i
     configure_logging(config.log_level, config.log_format)
     loop = new_event_loop(config.loop)
     try:
+        server = Server(config)
+    except OptionError as exc:  # a bad --tier, or a backend that is not installed
+        loop.close()
+        log.error("cannot start", error=describe(exc))
+        return 2
+    signals = 0
+
+    def on_signal(signum: int) -> None:
+        nonlocal signals
+        signals += 1
+        if signals == 1:
+            server.request_stop()  # first: nothing (a failing log write included) may prevent it
+            log.info("stopping", signal=signal.Signals(signum).name, timeout_s=config.shutdown_timeout)
+        else:
+            log.warning("second signal: exiting now")
+            raise SystemExit(1)
+
+    async def serve() -> int:
         try:
-            server = Server(config)
-            loop.run_until_complete(server.start())
+            await server.start()
         except OptionError as exc:
             log.error("cannot start", error=describe(exc))
             return 2
-        signals = 0
+        await server.serve_started()
+        return 0
 
-        def on_signal(signum: int) -> None:
-            nonlocal signals
-            signals += 1
-            if signals == 1:
-                server.request_stop()  # first: nothing (a failing log write included) may prevent it
-                log.info("stopping", signal=signal.Signals(signum).name, timeout_s=config.shutdown_timeout)
-            else:
-                log.warning("second signal: exiting now")
-                raise SystemExit(1)
-
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, on_signal, signum)
-        loop.run_until_complete(server.serve_started())
+    # Before the "listening" line, and in one run of the loop: a supervisor may signal the
+    # moment it reads that line, and uvloop drops a signal that comes between two runs.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    try:
+        return loop.run_until_complete(serve())
     finally:
         loop.close()
-    return 0
 
 
 class ServerThread:

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import select
 import socket
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -270,3 +272,23 @@ def test_reconnecting_idle_peers_cannot_lock_a_client_out(make_server_thread: Ma
         stop.set()
         for worker in workers:
             worker.join(30)
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_stopping_ends_the_handshakes_in_progress(pki: Pki, loop: str) -> None:
+    """The server's sockets of handshakes in progress are closed by the stop, not left to
+    the garbage collector once the loop is gone (uvloop's stayed open)."""
+    from lmserver.config import ServerConfig
+
+    config = ServerConfig(
+        port=0, memory_limit=64 * MiB, loop=loop, tls_port=0, tls_cert=pki.server_cert, tls_key=pki.server_key
+    )
+    thread = ServerThread(config).start()
+    with sockets("127.0.0.2", thread.tls_port or 0, 3) as silent:
+        wait_until(lambda: occupancy(thread) == (0, 3))
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always", ResourceWarning)
+            thread.stop()
+            gc.collect()
+        assert all(closed_by_server(sock) for sock in silent)
+    assert not [w for w in seen if issubclass(w.category, ResourceWarning)]
