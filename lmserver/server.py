@@ -30,7 +30,7 @@ from .memory import MemoryTier
 from .plain import PlainListener, PlainTransport, listen
 from .sizes import format_size
 from .state import ServerState
-from .stats import log_periodically, native_modules, trim_after_closes, trim_idle_memory
+from .stats import log_periodically, native_modules, trim_idle_memory
 from .store import Store
 from .tiers.base import ConfigError, Tier
 from .tiers.spec import ChainOptions, TierSpec
@@ -116,7 +116,6 @@ class Server:
         loop = asyncio.get_running_loop()
         self._background.append(loop.create_task(log_periodically(self.state)))
         self._background.append(loop.create_task(trim_idle_memory(self.state)))
-        self._background.append(loop.create_task(trim_after_closes(self.state)))
         self._background.append(loop.create_task(sweep(self.state)))
         log.info(
             "listening",

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from .access import AccessList
 from .config import ServerConfig
+from .heap import HeapTrimmer
 from .store import Store
 
 if TYPE_CHECKING:
@@ -28,7 +29,7 @@ class ServerState:
     handshakes: set[PendingHandshake] = field(default_factory=set)
     # Slots held per peer address, connections and handshakes alike (admission.py).
     connections_per_address: Counter[str] = field(default_factory=Counter)
-    slots_released: int = 0  # connections and handshakes closed so far (stats.trim_after_closes)
+    heap: HeapTrimmer = field(default_factory=HeapTrimmer)  # trims the C heap after many closes
     # Event counts by name; read them through current_counters(), .get(name, 0). A
     # defaultdict, not a Counter: `counters[name] += n` runs on the request path, and Counter,
     # a Python subclass of dict, makes every subscript a slot lookup and a call through Python.
@@ -55,7 +56,7 @@ class ServerState:
 
     def release_address(self, address: str | None) -> None:
         """A slot taken by ``Admission.admit`` for ``address`` is free again."""
-        self.slots_released += 1
+        self.heap.closed()
         if address is not None:
             per_address = self.connections_per_address
             per_address[address] -= 1

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import time
-from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -59,39 +57,6 @@ async def trim_idle_memory(state: ServerState, interval: float = 30.0) -> None:
         freed = pool.trim_unused()
         if freed:
             log.debug("idle object buffers released", bytes=freed, idle_left=pool.idle)
-
-
-TRIM_AFTER_CLOSES = 256
-"""Connections (and TLS handshakes) closed, after which the C heap's free memory is given
-back to the OS (``malloc_trim``), at most once per ``trim_after_closes`` interval."""
-
-
-async def trim_after_closes(state: ServerState, interval: float = 1.0) -> None:
-    """Give the C heap's free memory back once many connections have closed.
-
-    What a connection allocates in C (OpenSSL's objects for a TLS handshake, ~50 KiB each;
-    the loop's socket state) comes from glibc's heap among longer-lived objects, and what
-    they free is kept for reuse, in pieces: 3,000 TLS handshakes left RSS 150 MiB up after
-    they closed. ``malloc_trim`` returns every free heap page (not only the top of the heap)
-    to the OS; it runs after a burst of closes, never per connection.
-    """
-    trim = _malloc_trim()
-    if trim is None:
-        return  # not glibc
-    trimmed_at = 0
-    while True:
-        await asyncio.sleep(interval)
-        if state.slots_released - trimmed_at >= TRIM_AFTER_CLOSES:
-            trimmed_at = state.slots_released
-            trim(0)
-
-
-def _malloc_trim() -> Callable[[int], int] | None:
-    try:
-        function: Callable[[int], int] = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return None
-    return function
 
 
 async def log_periodically(state: ServerState, interval: float = 60.0) -> None:

@@ -292,3 +292,26 @@ def test_stopping_ends_the_handshakes_in_progress(pki: Pki, loop: str) -> None:
             gc.collect()
         assert all(closed_by_server(sock) for sock in silent)
     assert not [w for w in seen if issubclass(w.category, ResourceWarning)]
+
+
+async def test_the_heap_is_trimmed_once_per_burst_of_closes() -> None:
+    from lmserver.heap import TRIM_AFTER_CLOSES, HeapTrimmer
+
+    trimmer = HeapTrimmer()
+    for _ in range(TRIM_AFTER_CLOSES - 1):
+        trimmer.closed()
+    await asyncio.sleep(0)
+    assert trimmer.trims == 0  # not a burst yet
+    trimmer.closed()
+    await trimmed(trimmer, 1)  # at once
+    for _ in range(TRIM_AFTER_CLOSES):
+        trimmer.closed()  # the next burst: scheduled for TRIM_INTERVAL_S after the last trim
+    assert trimmer.trims == 1
+    await trimmed(trimmer, 2)
+
+
+async def trimmed(trimmer: Any, count: int) -> None:
+    deadline = time.monotonic() + 30  # detects a hang only
+    while trimmer.trims < count:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
