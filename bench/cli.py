@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import datetime as dt
 import itertools
+import json
 import os
 import platform
 import shlex
@@ -98,7 +99,75 @@ def build_parser() -> argparse.ArgumentParser:
     lc.add_argument("--lookups", type=int, default=20, help="prefix lookups timed per round")
     lc.add_argument("--out", help="output folder (default bench/results/<UTC timestamp>-lmcache)")
     lc.add_argument("--no-latest", action="store_true", help="do not copy lmcache.json/md to bench/latest")
+    l2 = sub.add_parser(
+        "lmcache-l2", help="LMCache multi-process L2 adapters: lmserver vs resp (Redis) vs fs"
+    )
+    l2.add_argument("--sizes", default="256K,4M,32M", help="chunk sizes")
+    l2.add_argument("--chunks", default="64,64,16", help="chunks per size, in the order of --sizes")
+    l2.add_argument(
+        "--rounds", type=int, default=3, help="rounds, each adapter once a round (medians, ranges)"
+    )
+    l2.add_argument(
+        "--lookups", type=int, default=32, help="lookup-and-lock tasks of 16 keys timed per round"
+    )
+    l2.add_argument("--adapters", default="lmserver,resp,fs", help="which of lmserver, resp, fs")
+    l2.add_argument(
+        "--params", default="{}", help="JSON: the lmserver adapter's adapter_params beyond its url"
+    )
+    l2.add_argument("--out", help="output folder (default bench/results/<UTC timestamp>-lmcache-l2)")
+    l2.add_argument("--no-latest", action="store_true", help="do not copy lmcache_l2.json/md to bench/latest")
+    fl = sub.add_parser("fleet", help="a fleet on a namespace network: throughput, replace, dead host")
+    fl.add_argument("--tier", choices=("s3", "hf"), default="s3", help="shared tier (s3: NIXL OBJ + moto)")
+    fl.add_argument("--link-rate", default="1gbit", help="each server host's link (tc rate; 0: unshaped)")
+    fl.add_argument("--size", default="1M", help="object size")
+    fl.add_argument("--objects", type=int, default=64, help="objects per client in the throughput rounds")
+    fl.add_argument("--clients", type=int, default=3, help="client processes in the throughput rounds")
+    fl.add_argument("--rounds", type=int, default=3, help="throughput rounds (the server counts rotate)")
+    fl.add_argument("--baseline", help="another checkout whose lmclient also runs the dead-host cases")
+    fl.add_argument("--parts", default="throughput,replace,dead-host", help="which measurements to run")
+    fl.add_argument("--smoke", action="store_true", help="tiny sizes and counts, small timeout only")
+    fl.add_argument("--out", help="output folder (default bench/results/<UTC timestamp>-fleet)")
+    fl.add_argument("--no-latest", action="store_true", help="do not copy fleet.json/md to bench/latest")
     return ap
+
+
+def lmcache_l2(args: argparse.Namespace) -> int:
+    from .lmcache_l2 import format_lmcache_l2, run_lmcache_l2_bench
+
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    out = Path(args.out) if args.out else REPO / "bench" / "results" / f"{stamp}-lmcache-l2"
+    sizes = [report.parse_size(s) for s in _csv(args.sizes)]
+    counts = [int(c) for c in _csv(args.chunks)]
+    if len(counts) != len(sizes):
+        raise SystemExit("--chunks needs one count per --sizes entry")
+    chunks = dict(zip(sizes, counts, strict=True))
+    params = json.loads(args.params)
+    doc = run_lmcache_l2_bench(sizes, chunks, args.rounds, args.lookups, _csv(args.adapters), out, params)
+    _report(out, "lmcache_l2", format_lmcache_l2(doc), latest=not args.no_latest)
+    return 0
+
+
+def _report(out: Path, name: str, text: str, latest: bool) -> None:
+    """Print ``text``, write it as ``out/NAME.md`` beside ``out/NAME.json``, and copy both to
+    bench/latest unless told not to."""
+    (out / f"{name}.md").write_text(text + "\n")
+    print(text)
+    if latest:
+        LATEST.mkdir(parents=True, exist_ok=True)
+        for suffix in (".json", ".md"):
+            shutil.copy2(out / f"{name}{suffix}", LATEST / f"{name}{suffix}")
+
+
+def fleet(args: argparse.Namespace) -> int:
+    from .fleet import format_fleet, options_from, run_fleet
+
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    out = Path(args.out) if args.out else REPO / "bench" / "results" / f"{stamp}-fleet"
+    results = run_fleet(options_from(args))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fleet.json").write_text(json.dumps(results, indent=2) + "\n")
+    _report(out, "fleet", format_fleet(results), latest=not args.no_latest and not args.smoke)
+    return 0
 
 
 def stream_get(args: argparse.Namespace) -> int:
@@ -402,13 +471,7 @@ def lmcache(args: argparse.Namespace) -> int:
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     out = Path(args.out) if args.out else REPO / "bench" / "results" / f"{stamp}-lmcache"
     doc = run_lmcache_bench(args.chunks, report.parse_size(args.chunk_size), args.rounds, args.lookups, out)
-    text = format_lmcache(doc)
-    (out / "lmcache.md").write_text(text + "\n")
-    print(text)
-    if not args.no_latest:
-        LATEST.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(out / "lmcache.json", LATEST / "lmcache.json")
-        shutil.copy2(out / "lmcache.md", LATEST / "lmcache.md")
+    _report(out, "lmcache", format_lmcache(doc), latest=not args.no_latest)
     return 0
 
 
@@ -452,4 +515,8 @@ def main(argv: list[str] | None = None) -> int:
         return stream_get(args)
     if args.cmd == "lmcache":
         return lmcache(args)
+    if args.cmd == "lmcache-l2":
+        return lmcache_l2(args)
+    if args.cmd == "fleet":
+        return fleet(args)
     return 2

@@ -2,8 +2,9 @@
 through a local fake Hub, and what it costs the event loop.
 
 Strategy: the real ``HfApi`` and ``hf_xet`` run against the fake Hub of the tests
-(``tests/fakehub``: stdlib HTTP for the Hub's JSON routes, hf_xet's local CAS on disk for
-the bytes), so the figures are the client stack's own cost on this machine, not a network's.
+(``tests/fakehub``: stdlib HTTP for the Hub's JSON routes and for its storage service, in a
+child process), so the figures are the client stack's cost on this machine, plus the fake's
+own HTTP serving, not a network's.
 For each object size:
 
 * **raw**: the limit of that client stack, measured in the same run: one

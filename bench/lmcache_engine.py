@@ -219,11 +219,20 @@ def format_lmcache(doc: dict[str, Any]) -> str:
             f"| {names[way]} | {m['store_gbps']:.2f} | {m['retrieve_gbps']:.2f} | "
             f"{m['lookup_p50_ms']:.2f} | {m['lookup_max_ms']:.2f} |"
         )
-    b, p = med["builtin"], med["plugin"]
+    ratios: dict[str, list[float]] = {"store_gbps": [], "retrieve_gbps": [], "lookup_p50_ms": []}
+    for rnd in range(doc["rounds"]):
+        pair = {r["via"]: r for r in doc["rows"] if r["round"] == rnd}
+        if "builtin" in pair and "plugin" in pair:
+            for field, values in ratios.items():
+                values.append(pair["plugin"][field] / pair["builtin"][field])
     lines += [
         "",
-        f"plugin / built-in: store x{p['store_gbps'] / b['store_gbps']:.2f}, "
-        f"retrieve x{p['retrieve_gbps'] / b['retrieve_gbps']:.2f}, "
-        f"lookup latency x{p['lookup_p50_ms'] / b['lookup_p50_ms']:.3f}",
+        "plugin / built-in, per round, median (min-max): "
+        f"store x{_spread(ratios['store_gbps'])}, retrieve x{_spread(ratios['retrieve_gbps'])}, "
+        f"lookup latency x{_spread(ratios['lookup_p50_ms'], '.3f')}",
     ]
     return "\n".join(lines)
+
+
+def _spread(values: list[float], fmt: str = ".2f") -> str:
+    return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"

@@ -2,9 +2,10 @@
 
 Strategy: fill a disk tier through a real server (pipelined PUT_ACKs of small objects), then
 restart the server three ways and time each from process start to its ``listening`` line:
-after a clean SIGTERM (the SQLite index is loaded in LRU order, no file is read), after a
-SIGKILL (the index is reconciled with a directory listing), and with the index deleted (it is
-rebuilt from the file headers). A start with an empty disk is the baseline, so the index
+after a clean SIGTERM (the SQLite index is loaded in LRU order, no record is read), after a
+SIGKILL (each segment is read above its watermark, space no record covers is given back), and
+with the index deleted (it is rebuilt from the record headers). A start with an empty disk is
+the baseline, so the index
 load rate is ``objects / (restart time - baseline)``. After each restart a sample of objects
 is read back and checked byte for byte.
 """
@@ -100,10 +101,10 @@ def run_restart(objects: int, size: int, out: Path) -> dict[str, Any]:
             return {"seconds": round(seconds, 3), "objects_per_s": round(objects / load), "sample_ok": good}
 
         clean = restart(_sigkill)  # loads the index a SIGTERM left; then dies without closing it
-        unclean = restart(Target.stop)  # reconciles the index with the files
+        unclean = restart(Target.stop)  # reads each segment above its watermark
         for index_file in disk.glob("index.sqlite3*"):
             index_file.unlink()
-        rebuilt = restart(Target.stop)  # rebuilds the index from the file headers
+        rebuilt = restart(Target.stop)  # rebuilds the index from the record headers
     results = {
         "objects": objects,
         "object_size": size,

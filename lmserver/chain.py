@@ -7,10 +7,11 @@ Strategy:
   version can never land after a newer one. While a key has a job queued or running here,
   this tier does not serve it (``readable`` is False): the key is then either newer in
   memory or held by the Store as a victim in flight, which serves it instead.
-* **Bounded, never waited for.** Writes pin their source (a memory entry or a held victim)
-  until they finish; ``admit`` books their bytes against the link's ``queue`` budget and
-  says no when it is spent: the write is skipped and counted, and nobody waits. Only
-  PUT_ACK writes are admitted over budget (the client waits for them; memory bounds them).
+* **Bounded.** Writes pin their source (a memory entry or a held victim) until they finish;
+  ``admit`` books their bytes against the link's ``queue`` budget. When it is spent the
+  tier's ``full`` policy decides, in the Store: ``wait`` (the PUT's connection waits for
+  room before it reads the body) or ``skip`` (counted; nobody waits). PUT_ACK writes are
+  admitted over budget (the client waits for them; memory bounds them).
 * Jobs are plain tasks; the tier's own thread pool bounds how many run at once.
 """
 
@@ -33,7 +34,11 @@ COUNTERS = (
     "promotions",  # GET hits read from this tier and published in memory
     "writes",  # objects written here (write-behind, PUT_ACK and demotion)
     "write_failures",  # writes the tier declined or failed (it logged and counted why)
-    "skipped_writes",  # write-behinds skipped because the queue was full
+    "skipped_writes",  # write-behinds skipped (the three reasons below, summed)
+    "skipped_queue_full",  # ... because this tier's queue was full (full=skip)
+    "skipped_dirty_full",  # ... because memory's share for objects waiting for tiers was full
+    "skipped_wait_timeout",  # ... because a full=wait PUT waited --memory-wait for room in vain
+    "full_waits",  # PUTs that waited for room in this tier's queue before their body was read
     "demotions",  # objects written here because the tier in front evicted them
     "demotions_skipped",  # evicted objects dropped: queue full, or a newer version in flight
     "discards",  # older copies removed because a newer PUT did not reach this tier
@@ -44,6 +49,7 @@ class Link:
     def __init__(self, tier: Tier, options: ChainOptions, position: int) -> None:
         self.tier = tier
         self.mode = options.mode
+        self.full = options.full
         self.queue_limit = options.queue_bytes
         self.position = position  # 1 = right behind memory
         self.queued_bytes = 0
@@ -64,12 +70,25 @@ class Link:
     def readable(self, key: str) -> bool:
         return key not in self._tails and self.tier.contains(key)
 
+    def fetchable(self, key: str) -> bool:
+        """Whether a GET should ask this tier (``readable``, or a shared tier that looks
+        in its backend for keys missing from its index)."""
+        return key not in self._tails and self.tier.may_hold(key)
+
     @property
     def pending(self) -> int:
         return len(self._tails)
 
+    @property
+    def waits_when_full(self) -> bool:
+        """Whether a PUT waits for room here (write-behind with ``full=wait``)."""
+        return self.mode == "write-behind" and self.full == "wait"
+
+    def has_room(self, length: int) -> bool:
+        return self.queued_bytes + length <= self.queue_limit
+
     def admit(self, length: int, *, force: bool = False) -> bool:
-        if not force and self.queued_bytes + length > self.queue_limit:
+        if not force and not self.has_room(length):
             return False
         self.queued_bytes += length
         return True
@@ -109,6 +128,7 @@ class Link:
         usage.update(self.counters)
         usage.update(
             mode=self.mode,
+            full=self.full,
             healthy=self.tier.healthy,
             complete_index=self.tier.complete_index,
             queue_depth=self.pending,

@@ -125,10 +125,10 @@ def main() -> None:
     default="never",
     envvar=_env("FSYNC"),
     show_envvar=True,
-    help="Disk durability of a stored object (and of a PUT_ACK's answer): never = in the page "
-    "cache, survives a server crash but maybe not a power loss (a torn file is then dropped by "
-    "its checksum, never served); always = fsync file and directory first; batch = like always, "
-    "with directory fsyncs grouped over ~10 ms.",
+    help="Disk durability of a stored object (and of a PUT_ACK's answer): never = written, "
+    "survives a server crash but maybe not a power loss (a torn record is then dropped by its "
+    "checksum, never served); always = fdatasync'ed before it counts as stored; batch = like "
+    "always, one fdatasync covering the writes of ~10 ms.",
 )
 @click.option(
     "--disk-direct",
@@ -136,9 +136,9 @@ def main() -> None:
     default="auto",
     envvar=_env("DISK_DIRECT"),
     show_envvar=True,
-    help="Disk writes of objects of 64 KiB and more: auto = direct I/O (O_DIRECT) where the "
-    "filesystem takes it, straight from memory to the device with no page-cache copy; off = "
-    "through the page cache.",
+    help="auto = disk writes with direct I/O (O_DIRECT) where the filesystem takes it: objects "
+    "above 512 KiB straight from memory to the device, smaller ones combined into 4 MiB writes, "
+    "none through the page cache; off = through the page cache.",
 )
 @click.option(
     "--write-behind-limit",
@@ -146,8 +146,27 @@ def main() -> None:
     default="256MiB",
     envvar=_env("WRITE_BEHIND_LIMIT"),
     show_envvar=True,
-    help="With --disk: bytes of objects queued for disk writes (write-behind and demotion); past "
-    "it a write is skipped and counted, never waited for (PUT_ACK writes are never skipped).",
+    help="With --disk: bytes of objects waiting for disk writes (write-behind and demotion); past "
+    "it (or past --dirty-limit) --write-behind-full decides (PUT_ACK writes are never skipped).",
+)
+@click.option(
+    "--write-behind-full",
+    type=click.Choice(["wait", "skip"]),
+    default="wait",
+    envvar=_env("WRITE_BEHIND_FULL"),
+    show_envvar=True,
+    help="With --disk, when the disk's queue is full: wait = a connection reads no more PUT bodies "
+    "until the disk catches up (up to --memory-wait; GETs on other connections never wait), so "
+    "a restart finds everything; skip = the disk write is skipped and counted.",
+)
+@click.option(
+    "--dirty-limit",
+    type=SIZE,
+    default=None,
+    envvar=_env("DIRTY_LIMIT"),
+    show_envvar=True,
+    help="Bytes of memory that objects waiting for tier writes may hold; past it each tier's "
+    "full= policy decides (wait or skip). [default: half of --memory-limit]",
 )
 @click.option(
     "--tier",
@@ -157,7 +176,7 @@ def main() -> None:
     envvar=_env("TIER"),
     show_envvar=True,
     help="A tier behind memory (and behind --disk); repeat for more, in order. Kinds: disk, nixl, hf. "
-    "Every kind takes mode=write-behind|demote and queue=SIZE; e.g. "
+    "Every kind takes mode=write-behind|demote, queue=SIZE and full=wait|skip; e.g. "
     "'disk:/mnt/hdd?capacity=2TiB&mode=demote'. The env var takes specs separated by spaces.",
 )
 @click.option(
@@ -168,7 +187,8 @@ def main() -> None:
     envvar=_env("MEMORY_WAIT"),
     show_envvar=True,
     help="Seconds a PUT (or a disk hit) waits for memory held by objects in flight (sends, disk "
-    "writes) before it is refused (PUT_ACK: 507).",
+    "writes) before it is refused (PUT_ACK: 507), and for a full=wait tier to catch up before "
+    "its write is skipped.",
 )
 @click.option(
     "--max-connections",
@@ -353,8 +373,9 @@ def serve(positional: tuple[str, ...], **options: Any) -> None:
             raise click.UsageError(f"PORT must be a number, not {positional[1]!r}") from None
         if len(positional) == 3 and positional[2] != "cpu":
             options["disk"] = Path(positional[2])
-    if options["memory_limit"] is None:
-        del options["memory_limit"]
+    for name in ("memory_limit", "dirty_limit"):
+        if options[name] is None:
+            del options[name]
     ctx = click.get_current_context()
     try:
         config = ServerConfig(**options)

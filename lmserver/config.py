@@ -46,8 +46,11 @@ class ServerConfig:
     fsync: Literal["always", "batch", "never"] = "never"
     disk_direct: Literal["auto", "off"] = "auto"  # O_DIRECT writes of large objects
     # Bytes of objects queued for the disk tier's writes (write-behind and demotion); past
-    # it a write is skipped and counted, never waited for.
+    # it write_behind_full decides: wait (throttle the PUT's connection) or skip (count).
     write_behind_limit: int = 256 * 1024**2
+    write_behind_full: Literal["wait", "skip"] = "wait"
+    # Memory objects waiting for tier writes may hold (None: half of memory_limit).
+    dirty_limit: int | None = None
     # Tiers behind memory (and behind --disk), in order: KIND:TARGET?OPTION=VALUE&...
     tiers: tuple[str, ...] = ()
     # Connections and requests
@@ -90,6 +93,9 @@ class ServerConfig:
         _choice("--fsync", self.fsync, ("always", "batch", "never"))
         _choice("--disk-direct", self.disk_direct, ("auto", "off"))
         _size("--write-behind-limit", self.write_behind_limit, minimum=0)
+        _choice("--write-behind-full", self.write_behind_full, ("wait", "skip"))
+        if self.dirty_limit is not None:
+            _size("--dirty-limit", self.dirty_limit, minimum=1)
         _count("--max-connections", self.max_connections, MAX_CONNECTIONS)
         _count("--max-connections-per-address", self.max_connections_per_address, MAX_CONNECTIONS)
         _seconds("--idle-timeout", self.idle_timeout)

@@ -61,6 +61,7 @@ from typing import Any, Final
 import structlog
 
 from lmproto import (
+    EXTENSION_COMMANDS,
     MAX_CONTROL_BODY,
     NO_META,
     PLACEHOLDER_META,
@@ -74,6 +75,7 @@ from lmproto import (
     Status,
     decode_key_list,
     decode_lookups_into,
+    decode_page_request,
     decode_request,
     detect_generation,
     encode_error_text,
@@ -83,6 +85,7 @@ from lmproto import (
     encode_reply,
 )
 
+from . import bulk
 from ._framed import ReplyBuffer, send_nowait
 from .logs import ThrottledWarnings
 from .memory import Entry, cached_header
@@ -355,6 +358,8 @@ class LMProtocol(asyncio.BufferedProtocol):
             Command.DELETE: self._delete,
             Command.EXIST_MANY: self._exist_many,
             Command.STATS: self._stats,
+            Command.DELETE_MANY: self._delete_many,
+            Command.LIST_PAGE: self._list_page,
         }
         self._quiet_since = asyncio.get_running_loop().time()
         sock = transport.get_extra_info("socket")
@@ -728,7 +733,7 @@ class LMProtocol(asyncio.BufferedProtocol):
         log.debug("request refused", peer=self.peer, command=req.command, reason=reason)
         if req.command == Command.PUT:
             pass  # fire-and-forget: upstream clients read no reply to a PUT
-        elif req.command in _EXTENSIONS:
+        elif req.command in EXTENSION_COMMANDS:
             body = encode_error_text(reason)
             self._reply(status, memoryview(body))
         else:
@@ -815,6 +820,18 @@ class LMProtocol(asyncio.BufferedProtocol):
                 counter="refused_too_large",
             )
             return
+        if not self.store.room_for(req.length):
+            # A full=wait tier is behind: read this body (and what follows it on this
+            # connection) only once it has caught up (Store.room_for).
+            self.counters["put_waits_tier"] += 1
+            self._await(
+                self.store.wait_for_room(req.length, self.config.put_wait_timeout),
+                lambda room: self._reserve_put(req, room),
+            )
+            return
+        self._reserve_put(req, True)
+
+    def _reserve_put(self, req: Request, room: bool) -> None:
         # Charge only what is staged, plus room for one read (module docstring).
         first = self.end - self.start + STAGING_SIZE
         # A body that fits the first charge is charged whole: a fully charged buffer is reused.
@@ -824,28 +841,30 @@ class LMProtocol(asyncio.BufferedProtocol):
             self.counters["put_waits_memory"] += 1
             self._await(
                 self.store.reserve_wait(req.length, self.config.put_wait_timeout, upfront),
-                lambda entry: self._receive_put(req, entry),
+                lambda entry: self._receive_put(req, entry, room),
             )
             return
-        self._receive_put(req, entry)
+        self._receive_put(req, entry, room)
 
-    def _receive_put(self, req: Request, entry: Entry | None) -> None:
+    def _receive_put(self, req: Request, entry: Entry | None, room: bool) -> None:
         if entry is None:
             self._time_end(req.command)
             self._refuse(req, Status.NO_SPACE, "memory is full of objects in use", counter="refused_no_space")
             return
         self.body_entry = entry
         self.body_request = req
-        self._receive_body(memoryview(entry.buffer)[: req.length], lambda: self._finish_put(req, entry))
+        self._receive_body(memoryview(entry.buffer)[: req.length], lambda: self._finish_put(req, entry, room))
         if self.body is not None:
             self.body_limit = min(entry.charged, req.length)
             if self.body_pos == self.body_limit:
                 self._grow_body()
 
-    def _finish_put(self, req: Request, entry: Entry) -> None:
+    def _finish_put(self, req: Request, entry: Entry, room: bool) -> None:
         self.body_entry = self.body_request = None
         meta = req.meta if req.generation == Generation.V1 else NO_META
-        persisted = self.store.commit(req.key, entry, meta, acknowledged=req.command == Command.PUT_ACK)
+        persisted = self.store.commit(
+            req.key, entry, meta, acknowledged=req.command == Command.PUT_ACK, room=room
+        )
         self.counters["puts"] += 1
         self.counters["put_bytes"] += req.length
         if req.command != Command.PUT_ACK or persisted is None:
@@ -924,30 +943,46 @@ class LMProtocol(asyncio.BufferedProtocol):
         return 0
 
     def _list(self, req: Request, body: memoryview) -> None:
-        # The reply is held from the memory budget, like an object being sent: a client that
-        # sends LISTs and never reads cannot grow the server past --memory-limit. It is
-        # encoded in batches, so no second whole copy of it exists outside the budget.
+        # Encoded in batches, so no second whole copy of a long reply exists outside the
+        # memory budget (see _reply_held).
         keys = self.store.keys(req.key, self.config.max_list_keys)
         if not keys:
             self._reply(Status.SUCCESS)
             return
         chunks = [encode_key_lines(keys[i : i + _LIST_BATCH]) for i in range(0, len(keys), _LIST_BATCH)]
         del keys
-        entry = self.store.reserve(sum(map(len, chunks)) + len(chunks) - 1)
+        if not self._reply_held(chunks, b"\n"):
+            self._reply(Status.FAIL)  # an upstream command: 400, length 0
+
+    def _list_page(self, req: Request, body: memoryview) -> None:
+        try:
+            limit, after = decode_page_request(body)
+        except MalformedBody as exc:
+            self._malformed(exc)
+            return
+        page = bulk.list_page(self.store, req.key, after, min(limit, self.config.max_list_keys))
+        if not self._reply_held([page]):
+            self._reply(Status.NO_SPACE, memoryview(encode_error_text("no memory for the reply")))
+
+    def _reply_held(self, chunks: list[bytes], separator: bytes = b"") -> bool:
+        """Reply 200 with ``chunks`` joined by ``separator`` as the body, held from the memory
+        budget until sent, like an object being sent: a client that asks for listings and
+        never reads cannot grow the server past --memory-limit. False if no memory."""
+        entry = self.store.reserve(sum(map(len, chunks)) + len(separator) * (len(chunks) - 1))
         if entry is None:
             self.counters["refused_no_space"] += 1
-            self._reply(Status.FAIL)  # an upstream command: 400, length 0
-            return
+            return False
         out, pos = memoryview(entry.buffer), 0
         for chunk in chunks:
-            if pos:
-                out[pos] = 0x0A  # the newline between batches
-                pos += 1
+            if pos and separator:
+                out[pos : pos + len(separator)] = separator
+                pos += len(separator)
             out[pos : pos + len(chunk)] = chunk
             pos += len(chunk)
         assert self.generation is not None
         header = encode_reply(Status.SUCCESS, entry.length, generation=self.generation, meta=PLACEHOLDER_META)
         self._emit(header, entry.view, pin=entry)
+        return True
 
     def _health(self, req: Request, body: memoryview) -> None:
         self._emit_canned(Status.FAIL if self.state.shutting_down else Status.SUCCESS)
@@ -960,11 +995,23 @@ class LMProtocol(asyncio.BufferedProtocol):
         try:
             keys = decode_key_list(body)
         except MalformedBody as exc:
-            self.counters["bad_requests"] += 1
-            self._reply(Status.FAIL, memoryview(encode_error_text(str(exc))))
+            self._malformed(exc)
             return
         contains = self.store.contains
         self._reply(Status.SUCCESS, memoryview(encode_presence([contains(k) for k in keys])))
+
+    def _delete_many(self, req: Request, body: memoryview) -> None:
+        try:
+            keys = decode_key_list(body)
+        except MalformedBody as exc:
+            self._malformed(exc)
+            return
+        self._time_start()
+        self._await(bulk.delete_many(self.store, keys), self._reply_many_deleted)
+
+    def _malformed(self, exc: MalformedBody) -> None:
+        self.counters["bad_requests"] += 1
+        self._reply(Status.FAIL, memoryview(encode_error_text(str(exc))))
 
     def _stats(self, req: Request, body: memoryview) -> None:
         self._reply(Status.SUCCESS, memoryview(encode_json(server_stats(self.state))))
@@ -983,6 +1030,10 @@ class LMProtocol(asyncio.BufferedProtocol):
     def _reply_deleted(self, found: bool) -> None:
         self._time_end(Command.DELETE)
         self._reply(Status.SUCCESS if found else Status.NOT_FOUND)
+
+    def _reply_many_deleted(self, presence: bytes) -> None:
+        self._time_end(Command.DELETE_MANY)
+        self._reply(Status.SUCCESS, memoryview(presence))
 
     # -- latency of requests that are not answered inline (metrics) ----------------------
 
@@ -1285,7 +1336,6 @@ COMMAND_SLOTS: Final = max(Command) + 1
 EXIST_HITS_SLOT: Final = 0
 """``by_command`` slot 0 (no command has number 0) counts EXISTs that found their key."""
 
-_EXTENSIONS: Final = frozenset({Command.PUT_ACK, Command.DELETE, Command.EXIST_MANY, Command.STATS})
 # Plain ints: a set of IntEnum members answers `int in set` through a rich compare per hit.
 _ANSWERED_INLINE: Final = frozenset(
     int(c) for c in (Command.EXIST, Command.HEALTH, Command.LIST, Command.STATS)

@@ -90,12 +90,15 @@ class ThrottledWarnings:
         self._lock = threading.Lock()
         self._last: dict[str, tuple[float, int]] = {}
 
-    def warning(self, event: str, **fields: Any) -> None:
+    def warning(self, event: str, *, per: str = "", **fields: Any) -> None:
+        """Log ``event`` unless it was logged less than ``interval`` ago; ``per`` throttles
+        one kind of it apart from the others (say, a tier and the bound it hit)."""
         now = time.monotonic()
+        key = f"{event}\0{per}" if per else event
         with self._lock:
-            last, suppressed = self._last.get(event, (-self._interval, 0))
+            last, suppressed = self._last.get(key, (-self._interval, 0))
             if now - last < self._interval:
-                self._last[event] = (last, suppressed + 1)
+                self._last[key] = (last, suppressed + 1)
                 return
-            self._last[event] = (now, 0)
+            self._last[key] = (now, 0)
         self._log.warning(event, suppressed=suppressed, **fields)

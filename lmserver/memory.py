@@ -14,6 +14,12 @@ Strategy:
   victim is the shard head with the smallest tick: exact LRU with short, sharded locks.
 * Recency: GET (hit) and PUT refresh an object; EXIST, EXIST_MANY, LIST and STATS do not,
   so a lookup storm never reorders what is cached.
+* Clean before dirty (with tiers behind memory: ``clean_first``): an object a tier behind
+  holds is *clean* (the Store marks it once written there, or when promoted from there);
+  eviction takes the least recently used clean object, and an object no tier holds yet
+  only when no clean one is found among each shard's ``CLEAN_SCAN`` least recently used,
+  and then by demotion. Each shard counts its clean objects, so a shard with none is not
+  searched.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ class Entry:
     __slots__ = (
         "buffer",
         "charged",
+        "clean",
         "key",
         "length",
         "lent",
@@ -59,6 +66,7 @@ class Entry:
         self.pins = 1  # the creator's pin: a reservation is pinned by its writer
         self.live = False  # reachable through the index
         self.lent = False  # evicted and being demoted: its buffer is in the pool's lent share
+        self.clean = False  # a tier behind memory holds this version (see MemoryTier)
         self.tick = 0
         # A reader's cache of this object's reply header (see cached_header): what the
         # function reply_header_of made of it, for one such function at a time.
@@ -113,6 +121,7 @@ class MemoryCounters:
     evicted_bytes: int = 0
     refusals: int = 0
     demotions_dropped: int = 0  # evicted while the share for objects being demoted was full
+    demotions_waited: int = 0  # evictions refused instead (the first tier is full=wait)
 
 
 # Compiled (mypyc), a name imported from a module that is not compiled is looked up in this
@@ -135,7 +144,7 @@ def _no_copy(header: bytes, buffer: Buffer) -> None:
 
 
 class _Shard:
-    __slots__ = ("acquire", "entries", "lock", "release")
+    __slots__ = ("acquire", "clean", "entries", "lock", "release")
 
     def __init__(self) -> None:
         self.lock = ShardLock()
@@ -144,7 +153,11 @@ class _Shard:
         self.acquire: Callable[[], bool] = self.lock.acquire
         self.release: Callable[[], None] = self.lock.release
         self.entries: dict[str, Entry] = {}
+        self.clean = 0  # entries marked clean
 
+
+CLEAN_SCAN = 64
+"""How far eviction looks past dirty objects at a shard's cold end for a clean one."""
 
 OBJECT_OVERHEAD = 1024
 """What the tier keeps per object beside its buffer (the key, its places in a shard's dict
@@ -173,6 +186,10 @@ class MemoryTier:
         self.on_space_freed: Callable[[], None] | None = None
         # Takes evicted objects for demotion (the Store sets it when tiers stand behind).
         self.on_evict: Callable[[MemoryVictim], None] | None = None
+        self.clean_first = False  # evict clean objects before dirty ones (tiers behind)
+        # Whether a dirty object that cannot be demoted now may be dropped (the first tier
+        # behind is full=skip); else eviction stops there and reservations wait for room.
+        self.drop_dirty = True
 
     @property
     def capacity(self) -> int:
@@ -225,6 +242,8 @@ class MemoryTier:
             shard.entries[key] = entry
             if old is not None:
                 old.live = False
+                if old.clean:
+                    shard.clean -= 1
         with self._keys_lock:
             self._bytes += entry.length
             if old is None:
@@ -298,6 +317,23 @@ class MemoryTier:
         """Presence without touching recency."""
         return key in self._shards[_shard_index(key, len(self._shards))].entries
 
+    def mark_clean(self, entry: Entry) -> None:
+        """A tier behind memory now holds this version of the object."""
+        shard = self._shard(entry.key)
+        with shard.lock:
+            if entry.live and not entry.clean:
+                entry.clean = True
+                shard.clean += 1
+
+    def mark_dirty(self, key: str) -> None:
+        """No tier behind memory holds ``key`` any more (the last one evicted it)."""
+        shard = self._shard(key)
+        with shard.lock:
+            entry = shard.entries.get(key)
+            if entry is not None and entry.clean:
+                entry.clean = False
+                shard.clean -= 1
+
     def pin(self, entry: Entry) -> None:
         with self._shard(entry.key).lock:
             entry.pins += 1
@@ -333,6 +369,8 @@ class MemoryTier:
             if entry is None:
                 return False
             entry.live = False
+            if entry.clean:
+                shard.clean -= 1
         self._unlinked(entry)
         return True
 
@@ -344,40 +382,101 @@ class MemoryTier:
         self._drop_pin_if_dead(entry, unpin=False)
 
     def _evict_one(self) -> bool:
-        """Unlink the least recently used object that nobody is using; False if none.
+        """Unlink the least recently used object that nobody is using, clean ones first
+        (``clean_first``); False if none.
 
         Pinned objects (being sent, or written behind to disk) are passed over: unlinking
         them would free nothing now, and they are in use, i.e. recently used, anyway.
         """
         victim: Entry | None = None
+        clean: Entry | None = None
         for shard in self._shards:
             with shard.lock:
-                head = next((e for e in shard.entries.values() if e.pins == 0), None)
+                head, cold_clean = self._cold_end(shard)
             if head is not None and (victim is None or head.tick < victim.tick):
                 victim = head
+            if cold_clean is not None and (clean is None or cold_clean.tick < clean.tick):
+                clean = cold_clean
+        if clean is not None:
+            victim = clean
         if victim is None:
             return False
+        # A clean object is dropped: a tier behind holds it. A dirty one is demoted if a
+        # taker exists and the lent share has room: its buffer stays (pinned, lent) until
+        # written, yet frees room for the reservation at once.
+        hook = self.on_evict
+        if victim.clean or hook is None:
+            return self._evict_entry(victim, None)
+        if self.pool.lend(victim.buffer):
+            return self._evict_entry(victim, hook, lent=True)
+        # It cannot be demoted now: rather a clean object from anywhere than this one.
+        deeper = self._any_clean()
+        if deeper is not None:
+            return self._evict_entry(deeper, None)
+        if not self.drop_dirty:
+            self.counters.demotions_waited += 1
+            return False  # like memory full of pinned objects: the reservation waits
+        self.counters.demotions_dropped += 1
+        return self._evict_entry(victim, None)
+
+    def _any_clean(self) -> Entry | None:
+        """The least recently used unpinned clean entry of any shard (a full search: only
+        when the cold ends hold none and the object found there cannot be demoted)."""
+        found: Entry | None = None
+        for shard in self._shards:
+            if not shard.clean:
+                continue
+            with shard.lock:
+                entry = next((e for e in shard.entries.values() if e.clean and e.pins == 0), None)
+            if entry is not None and (found is None or entry.tick < found.tick):
+                found = entry
+        return found
+
+    def _evict_entry(
+        self, victim: Entry, hook: Callable[[MemoryVictim], None] | None, *, lent: bool = False
+    ) -> bool:
+        """Unlink ``victim`` (handing it to ``hook`` for demotion, its buffer ``lent``)."""
         shard = self._shard(victim.key)
         with shard.lock:
             if victim.pins or shard.entries.get(victim.key) is not victim:
+                if lent:
+                    self.pool.unlend(victim.buffer)
                 return True  # used or replaced meanwhile: look again
-            # Demote it if a taker exists and the lent share has room: then its buffer stays
-            # (pinned, lent) until written, yet frees room for the reservation at once.
-            hook = self.on_evict
-            if hook is not None and not self.pool.lend(victim.buffer):
-                hook = None
-                self.counters.demotions_dropped += 1
             if hook is not None:
                 victim.lent = True
                 victim.pins += 1  # the demotion's pin, handed to the hook
             del shard.entries[victim.key]
             victim.live = False
+            if victim.clean:
+                shard.clean -= 1
         self._unlinked(victim)
         self.counters.evictions += 1
         self.counters.evicted_bytes += victim.length
         if hook is not None:
             hook(MemoryVictim(self, victim))
         return True
+
+    def _cold_end(self, shard: _Shard) -> tuple[Entry | None, Entry | None]:
+        """A shard's least recently used unpinned entry, and its least recently used unpinned
+        clean one within ``CLEAN_SCAN`` dirty entries of the cold end (under its lock)."""
+        head: Entry | None = None
+        if not (self.clean_first and shard.clean):
+            for entry in shard.entries.values():
+                if entry.pins == 0:
+                    return entry, None
+            return None, None
+        dirty_seen = 0
+        for entry in shard.entries.values():
+            if entry.pins:
+                continue
+            if entry.clean:
+                return (entry if head is None else head), entry
+            if head is None:
+                head = entry
+            dirty_seen += 1
+            if dirty_seen >= CLEAN_SCAN:
+                break
+        return head, None
 
     # -- listing and accounting ---------------------------------------------------------
 
@@ -430,4 +529,5 @@ class MemoryTier:
             "evicted_bytes": c.evicted_bytes,
             "refusals": c.refusals,
             "demotions_dropped": c.demotions_dropped,
+            "demotions_waited": c.demotions_waited,
         }

@@ -252,7 +252,7 @@ def _tiers(tiers: Any) -> Iterator[Metric]:
 
 def _store(store: dict[str, Any]) -> Iterator[Metric]:
     """The store's own counters (``lmserver_store_<name>_total``) and its groups of gauges
-    (``"chain": {"pinned_bytes": ...}`` becomes ``lmserver_chain_pinned_bytes``)."""
+    (``"chain": {"dirty_bytes": ...}`` becomes ``lmserver_chain_dirty_bytes``)."""
     for field, value in _numbers(store):
         yield CounterMetricFamily(f"lmserver_store_{field}", f"Store {field}.", value)
     for group, fields in store.items():

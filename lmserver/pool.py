@@ -181,6 +181,14 @@ class BufferPool:
             self._lent += cls
             return True
 
+    def unlend(self, buf: Buffer) -> None:
+        """Undo ``lend`` (the object was not evicted after all)."""
+        cls = len(buf)
+        with self._lock:
+            self._lent -= cls
+            self._overhead += self.object_overhead
+            self._in_use += cls
+
     def acquire(self, length: int) -> Buffer | None:
         """A buffer of at least ``length`` bytes, or None when the budget is spent."""
         got = self.acquire_partial(length, size_class(length))

@@ -54,7 +54,9 @@ def build_tiers(config: ServerConfig) -> list[tuple[Tier, ChainOptions, str]]:
         disk = DiskTier(
             config.disk, capacity=config.disk_limit, fsync=config.fsync, direct=config.disk_direct
         )
-        options = ChainOptions(mode=disk.default_mode, queue_bytes=config.write_behind_limit)
+        options = ChainOptions(
+            mode=disk.default_mode, queue_bytes=config.write_behind_limit, full=config.write_behind_full
+        )
         tiers.append((disk, options, f"--disk {config.disk}"))
     for text in config.tiers:
         spec = TierSpec.parse(text)
@@ -85,6 +87,7 @@ class Server:
             MemoryTier(config.memory_limit),
             [(tier, options) for tier, options, _ in tiers],
             memory_wait=config.put_wait_timeout,
+            dirty_limit=config.dirty_limit,
         )
         self.state = ServerState(config=config, store=store, access=AccessList(config.allow))
         self.admission = Admission(self.state)

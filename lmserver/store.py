@@ -4,12 +4,18 @@ behind it (memory -> disk -> remote tiers, in the operator's order).
 Strategy:
 
 * **PUT** lands in memory (the connection receives the body straight into a reserved
-  entry). Copies go down the chain without anyone waiting: each ``write-behind`` tier gets
-  the object if its queue has room (``chain.Link.admit``), else the write is skipped and
-  counted; a tier that does not get the new version drops its older copy (a *discard*
-  job), so no tier can ever serve a superseded object. Only PUT_ACK waits, for the first
-  tier's write ("stored in the first durable tier"), and the connection holds just that
-  reply, not the pipeline.
+  entry). Copies go down the chain behind it: each ``write-behind`` tier gets the object
+  if its queue has room (``chain.Link.admit``). When it has none, the tier's ``full``
+  policy decides (like the page cache's dirty throttling, or CacheLib's admission control):
+  ``wait``: the connection asks ``room_for`` before it reads a PUT body and waits (up to
+  ``memory_wait``) until the tier catches up, so nothing is skipped; ``skip``: the write is
+  skipped and counted, with its reason. A tier that does not get the new version drops its
+  older copy (a *discard* job), so no tier can ever serve a superseded object. PUT_ACK
+  waits for the first tier's write ("stored in the first durable tier"), and the
+  connection holds just that reply, not the pipeline.
+* **Clean before dirty.** An object a tier behind memory holds is *clean* (``Entry.clean``):
+  memory evicts clean objects first (they cost nothing to drop) and an object no tier holds
+  yet last, and then by demotion.
 * **Demotion**: a tier that evicts an object hands it off (``Tier.hand_off``); the Store
   writes it to the next tier unless that tier already holds it, a newer version is in
   flight, or the next tier's queue is full (then it is dropped and counted). Eviction
@@ -18,12 +24,16 @@ Strategy:
 * **GET** serves memory hits synchronously. Otherwise it reads from the first place that
   holds the key (a victim in flight, then the tiers in order) straight into a memory
   reservation, and promotes it, unless a newer PUT or a DELETE happened meanwhile.
-* **EXIST, EXIST_MANY, LIST** answer from in-memory indexes of every tier; never I/O.
+* **EXIST, EXIST_MANY, LIST** answer from in-memory indexes of every tier; never I/O. A GET
+  also asks a tier whose ``may_hold`` says so (a shared tier probing its backend for keys
+  another server wrote since its last refresh).
 * **DELETE** drops the memory copy at once and queues a delete on every tier that holds
   (or is about to hold) the key, behind that key's earlier jobs; it answers when they ran.
-* Budgets: memory pinned by queued write-behinds is at most a quarter of the memory limit,
-  so a slow tier can never starve PUTs of memory; evicted objects waiting for demotion
-  live in an eighth set aside for them (``BufferPool.lend``), so eviction frees room at once.
+* Budgets: memory pinned by objects waiting for tier writes (*dirty*) is at most
+  ``dirty_limit`` (``--dirty-limit``, half the memory limit by default), so a slow tier can
+  never starve PUTs and promotions of memory; each tier's queue is at most its ``queue``
+  bytes; evicted objects waiting for demotion live in an eighth set aside for them
+  (``BufferPool.lend``), so eviction frees room at once.
 """
 
 from __future__ import annotations
@@ -52,10 +62,21 @@ from .tiers.threaded import Workers
 log = structlog.get_logger("lmserver.store")
 throttled = ThrottledWarnings(log)
 
-PINNED_SHARE = 4
-"""Write-behinds may pin at most 1/PINNED_SHARE of memory: the rest stays free for PUTs."""
+DIRTY_SHARE = 2
+"""By default objects waiting for tier writes may pin at most 1/DIRTY_SHARE of memory: the
+rest stays free for PUT bodies being received and for promotions from the tiers."""
 FLUSH_CONCURRENCY = 4
 """Writes in flight while memory is flushed to the first tier at shutdown."""
+_SKIP_COUNTERS = {
+    "queue": "skipped_queue_full",
+    "dirty": "skipped_dirty_full",
+    "wait_timeout": "skipped_wait_timeout",
+}
+_SKIP_REASONS = {
+    "queue": "the tier's queue is full",
+    "dirty": "--dirty-limit reached",
+    "wait_timeout": "waited --memory-wait for room in vain",
+}
 LENT_SHARE = 8
 """With tiers behind memory, 1/LENT_SHARE of it holds evicted objects until they are demoted."""
 
@@ -67,12 +88,14 @@ class Store:
         tiers: Iterable[tuple[Tier, ChainOptions]] = (),
         *,
         memory_wait: float = 5.0,
+        dirty_limit: int | None = None,
     ) -> None:
         self.memory = memory
         self.links = [Link(tier, options, i) for i, (tier, options) in enumerate(tiers, 1)]
         self.memory_wait = memory_wait  # how long a reservation may wait for pinned memory
-        self.pin_budget = memory.capacity // PINNED_SHARE
-        self.pinned_bytes = 0  # memory pinned by queued writes
+        self.dirty_limit = memory.capacity // DIRTY_SHARE if dirty_limit is None else dirty_limit
+        self.dirty_bytes = 0  # memory pinned by queued tier writes
+        self._waiting_links = [link for link in self.links if link.waits_when_full]
         self._victims: dict[str, Victim] = {}  # evicted objects held while being demoted
         self._delete_epoch = 0
         self._space_waiters: list[asyncio.Future[None]] = []
@@ -90,6 +113,8 @@ class Store:
             await link.tier.open()
         if self.links:
             self._io = Workers(2, "victims")
+            self.memory.clean_first = True
+            self.memory.drop_dirty = self.links[0].full == "skip"
             self.memory.on_evict = self._memory_evicted
             self.memory.pool.set_lend_limit(self.memory.capacity // LENT_SHARE)
             for link, following in zip(self.links, self.links[1:], strict=False):
@@ -145,11 +170,39 @@ class Store:
             await asyncio.wait_for(waiter, min(remaining, 0.05))
         return True
 
+    def room_for(self, length: int) -> bool:
+        """Whether a PUT of ``length`` bytes finds room in every ``full=wait`` tier's queue
+        (and in the dirty share); the connection asks before it reads the body."""
+        if not self._waiting_links:
+            return True
+        waits = [link for link in self._waiting_links if self._may_wait(link, length)]
+        return not waits or (
+            self.dirty_bytes + length <= self.dirty_limit and all(link.has_room(length) for link in waits)
+        )
+
+    def _may_wait(self, link: Link, length: int) -> bool:
+        """A ``full=wait`` tier, and an object that could ever fit its queue and the dirty
+        share (a larger one is skipped at once: waiting could not help)."""
+        return link.waits_when_full and length <= link.queue_limit and length <= self.dirty_limit
+
+    async def wait_for_room(self, length: int, max_wait: float) -> bool:
+        """Wait up to ``max_wait`` seconds for ``room_for(length)``; False if it never came."""
+        for link in self._waiting_links:
+            if self._may_wait(link, length):
+                link.counters["full_waits"] += 1
+        deadline = time.monotonic() + max_wait
+        while not self.room_for(length):
+            if not await self._wait_for_space(deadline):
+                return False
+        return True
+
     def commit(
-        self, key: str, entry: Entry, meta: ObjectMeta, *, acknowledged: bool = False
+        self, key: str, entry: Entry, meta: ObjectMeta, *, acknowledged: bool = False, room: bool = True
     ) -> asyncio.Future[bool] | None:
-        """Publish a received object and queue its copies down the chain. Returns, for an
-        acknowledged PUT with tiers behind memory, a future resolving to True once the
+        """Publish a received object and queue its copies down the chain. ``room``: what the
+        connection's ``room_for``/``wait_for_room`` found before the body (``full=wait``
+        tiers take the object then, even if a concurrent PUT filled them meanwhile). Returns,
+        for an acknowledged PUT with tiers behind memory, a future resolving to True once the
         first tier holds it; else None."""
         if not self.links:
             self.memory.commit(key, entry, meta)
@@ -159,28 +212,44 @@ class Store:
         ack: asyncio.Future[bool] | None = None
         for link in self.links:
             must = acknowledged and ack is None
-            if (must or link.write_behind) and self._admit(link, entry.length, force=must):
-                self.memory.pin(entry)
-                done = link.enqueue(key, functools.partial(self._write, link, key, entry, meta, must))
-                if must:
-                    ack = done
-                continue
-            if link.write_behind:
-                link.counters["skipped_writes"] += 1
-                throttled.warning("tier queue full: write skipped", tier=link.name, queue=link.queue_limit)
+            if must or link.write_behind:
+                waits = self._may_wait(link, entry.length)
+                bound = self._admit(link, entry.length, force=must or (room and waits))
+                if bound is None:
+                    self.memory.pin(entry)
+                    done = link.enqueue(key, functools.partial(self._write, link, key, entry, meta, must))
+                    if must:
+                        ack = done
+                    continue
+                self._skipped(link, "wait_timeout" if waits else bound)
             if link.busy(key) or link.tier.contains(key):
                 link.counters["discards"] += 1
                 link.enqueue(key, functools.partial(link.tier.delete, key))
         self.memory.unpin(entry)
         return ack
 
-    def _admit(self, link: Link, length: int, *, force: bool) -> bool:
-        if not force and self.pinned_bytes + length > self.pin_budget:
-            return False
+    def _admit(self, link: Link, length: int, *, force: bool) -> str | None:
+        """Book a write of ``length`` bytes for ``link``: None if admitted, else the bound
+        that was full (``"dirty"``: the memory share; ``"queue"``: the tier's queue)."""
+        if not force and self.dirty_bytes + length > self.dirty_limit:
+            return "dirty"
         if not link.admit(length, force=force):
-            return False
-        self.pinned_bytes += length
-        return True
+            return "queue"
+        self.dirty_bytes += length
+        return None
+
+    def _skipped(self, link: Link, reason: str) -> None:
+        link.counters["skipped_writes"] += 1
+        link.counters[_SKIP_COUNTERS[reason]] += 1
+        throttled.warning(
+            "tier write skipped",
+            per=f"{link.name}/{reason}",
+            tier=link.name,
+            reason=_SKIP_REASONS[reason],
+            full=link.full,
+            queue_limit=link.queue_limit,
+            dirty_limit=self.dirty_limit,
+        )
 
     async def _write(self, link: Link, key: str, entry: Entry, meta: ObjectMeta, acknowledged: bool) -> bool:
         try:
@@ -188,11 +257,14 @@ class Store:
                 return False  # superseded or deleted: the job queued after this one wins
             ok = await link.tier.put(key, entry.view, meta)
             link.counters["writes" if ok else "write_failures"] += 1
+            if ok:
+                self.memory.mark_clean(entry)
             return ok
         finally:
             link.done_with(entry.length)
-            self.pinned_bytes -= entry.length
+            self.dirty_bytes -= entry.length
             self.memory.unpin(entry)
+            self._wake_space_waiters()
 
     async def _flush_memory(self, link: Link, deadline: float) -> None:
         """At shutdown, copy to the first tier what it does not hold (writes that were
@@ -203,7 +275,7 @@ class Store:
         pending: set[asyncio.Task[bool]] = set()
         try:
             for entry in entries:
-                if not entry.live or link.tier.contains(entry.key):
+                if not entry.live or entry.clean or link.tier.contains(entry.key):
                     continue
                 if time.monotonic() >= deadline:
                     left += 1
@@ -272,19 +344,24 @@ class Store:
             # nothing): copying it back up would only evict something else.
             self._drop(victim)
             return
+        if (
+            not from_memory
+            and self.memory.contains(key)
+            and not any(other.readable(key) for other in self.links)
+        ):
+            # Memory holds it and the tier behind it just let it go: memory's copy is now
+            # the only one, so memory must demote it rather than drop it when it evicts.
+            self.memory.mark_dirty(key)
         newer = self.memory.contains(key) or key in self._victims
         if not from_memory:
             newer = newer or any(other.busy(key) for other in self.links)
-        if newer or not self._admit_victim(link, victim, from_memory):
+        # A memory victim's buffer is already in the memory pool's lent share (memory.py).
+        if newer or not link.admit(victim.length):
             link.counters["demotions_skipped"] += 1
             self._drop(victim)
             return
         self._victims[key] = victim
         link.enqueue(key, functools.partial(self._demote, link, victim, from_memory))
-
-    def _admit_victim(self, link: Link, victim: Victim, from_memory: bool) -> bool:
-        # A memory victim's buffer is already in the memory pool's lent share (memory.py).
-        return link.admit(victim.length)
 
     async def _demote(self, link: Link, victim: Victim, from_memory: bool) -> bool:
         key = victim.key
@@ -306,6 +383,7 @@ class Store:
                 del self._victims[key]
             link.done_with(victim.length)
             self._drop(victim)
+            self._wake_space_waiters()
 
     def _drop(self, victim: Victim) -> None:
         if isinstance(victim, MemoryVictim) or self._io is None:
@@ -329,7 +407,9 @@ class Store:
         return entry
 
     def in_lower(self, key: str) -> bool:
-        return key in self._victims or any(link.readable(key) for link in self.links)
+        """Whether a GET that missed memory should look behind it (a shared tier that
+        probes its backend says yes for keys it has not indexed)."""
+        return key in self._victims or any(link.fetchable(key) for link in self.links)
 
     async def fetch(self, key: str) -> Entry | None:
         """Read ``key`` from behind memory into a pinned memory entry (promoting it)."""
@@ -346,7 +426,7 @@ class Store:
             if entry is not None:
                 return self._promote(key, entry, victim.meta, epoch)
         for link in self.links:
-            if not link.readable(key):
+            if not link.fetchable(key):
                 continue
             reserved: list[Entry] = []
 
@@ -386,6 +466,7 @@ class Store:
         if epoch == self._delete_epoch and not self.memory.contains(key):
             self.memory.pin(entry)  # the reader's pin survives the commit
             if self.memory.commit_if_absent(key, entry, meta):
+                self.memory.mark_clean(entry)  # the tier it came from holds it
                 return entry
             self.memory.abort(entry)
             return self.memory.get(key)
@@ -413,7 +494,10 @@ class Store:
     # -- EXIST, DELETE, LIST --------------------------------------------------------------
 
     def contains(self, key: str) -> bool:
-        return self.memory.contains(key) or (bool(self.links) and self.in_lower(key))
+        """EXIST: from the indexes only (never I/O, never a backend probe)."""
+        if self.memory.contains(key):
+            return True
+        return key in self._victims or any(link.readable(key) for link in self.links)
 
     async def delete(self, key: str) -> bool:
         self._delete_epoch += 1
@@ -442,8 +526,8 @@ class Store:
         return {
             "tiers": tiers,
             "chain": {
-                "pinned_bytes": self.pinned_bytes,
-                "pin_budget": self.pin_budget,
+                "dirty_bytes": self.dirty_bytes,
+                "dirty_limit": self.dirty_limit,
                 "victims_in_flight": len(self._victims),
             },
             **self.counters,
@@ -451,7 +535,7 @@ class Store:
 
     def activity(self) -> dict[str, int]:
         """Counters worth a line in the periodic activity log, flat, per tier."""
-        watched = ("skipped_writes", "demotions", "demotions_skipped", "write_failures")
+        watched = ("skipped_writes", "full_waits", "demotions", "demotions_skipped", "write_failures")
         return {f"{link.name}_{name}": link.counters[name] for link in self.links for name in watched}
 
 

@@ -70,7 +70,7 @@ class DictTier(Tier):
             self.counters["evictions"] += 1
             self.index.hold(victim.size)
             self.hand_off(DictVictim(self, victim_key, victim))
-        old = self.index.commit(key, record, record.size)
+        old = self.index.commit(key, record, record.size, doom_old=True)
         if old is not None:
             self.index.forget(old.size)
         self.counters["puts"] += 1

@@ -16,18 +16,22 @@ a lane's connection is opened when it is first needed.
 from __future__ import annotations
 
 import asyncio
+import math
 import socket
+import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Self, TypeVar, overload
 
 from lmproto import MAX_CONTROL_BODY, MemoryFormat, ObjectMeta
 
-from ._config import Settings
+from ._config import Settings, wait_limit
 from ._exceptions import (
     CONNECT_ERRORS,
     READ_ERRORS,
+    ConnectTimeout,
+    LMClientError,
     ReadError,
     ReadTimeout,
     TransportError,
@@ -35,11 +39,11 @@ from ._exceptions import (
     WriteTimeout,
     map_exceptions,
 )
-from ._ops import BaseClient, Batch, Op
+from ._ops import BaseClient, Batch, Op, Page, settle
 from ._placement import Address
 from ._sync import Client
 from ._tls import TLSSocket, wrap_nonblocking
-from ._wire import IOV_MAX, Inbox, Received, advance, read_reply, readable_now
+from ._wire import IOV_MAX, Inbox, Received, advance, read_reply, readable_now, tune
 
 if TYPE_CHECKING:
     import torch
@@ -89,17 +93,20 @@ class _Connection:
         self._outbox: list[memoryview] = []
         self._queued = 0  # bytes ever queued
         self._sent = 0  # bytes ever handed to the kernel
-        self._marks: deque[tuple[int, asyncio.Event]] = deque()  # (end offset, its event)
+        # (end offset, its event, the deadline of the call that queued it)
+        self._marks: deque[tuple[int, asyncio.Event, float]] = deque()
         self._flush_pending = False  # a _flush is scheduled or waits for writability
         self._stall: asyncio.TimerHandle | None = None
 
     @classmethod
-    async def open(cls, settings: Settings, address: Address) -> _Connection:
+    async def open(cls, settings: Settings, address: Address, limit: float) -> _Connection:
+        """Connect (and shake hands, for TLS) within ``limit`` seconds."""
         loop = asyncio.get_running_loop()
         with map_exceptions(CONNECT_ERRORS):
-            async with asyncio.timeout(settings.timeout.connect):
+            async with asyncio.timeout(limit):
                 infos = await loop.getaddrinfo(address.host, address.port, type=socket.SOCK_STREAM)
                 sock = await cls._connect_any(loop, infos)
+                tune(sock, settings.timeout.connect)
                 if settings.ssl_context is None:
                     return cls(sock, settings)
                 return cls(await wrap_nonblocking(sock, settings.ssl_context, address.host), settings)
@@ -111,7 +118,6 @@ class _Connection:
             sock = socket.socket(family, kind, proto)
             try:
                 sock.setblocking(False)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 await loop.sock_connect(sock, address)
                 return sock
             except OSError as exc:
@@ -142,7 +148,7 @@ class _Connection:
         if self._stall is not None:
             self._stall.cancel()
         self._outbox = []
-        for _, sent in self._marks:
+        for _, sent, _ in self._marks:
             sent.set()  # wakes a PUT waiting for its bytes to go out: it sees the error
         self._marks.clear()
         if self._reader is not None and self._reader is not asyncio.current_task():
@@ -167,7 +173,7 @@ class _Connection:
         if self._error is not None:
             raise _like(self._error)
         self._writes += 1
-        end, sent = self._queue([buf for op in batch.ops for buf in op.buffers])
+        end, sent = self._queue([buf for op in batch.ops for buf in op.buffers], batch.deadline)
         if not any(op.expects_reply for op in batch.ops):
             await sent.wait()  # the caller may reuse its buffers once the kernel has them
             if self._sent < end:
@@ -182,11 +188,11 @@ class _Connection:
 
     # -- writing: requests queued in this loop iteration leave in one sendmsg -----------
 
-    def _queue(self, buffers: list[memoryview]) -> tuple[int, asyncio.Event]:
+    def _queue(self, buffers: list[memoryview], deadline: float) -> tuple[int, asyncio.Event]:
         self._outbox += buffers
         self._queued += sum(len(buf) for buf in buffers)
         sent = asyncio.Event()
-        self._marks.append((self._queued, sent))
+        self._marks.append((self._queued, sent, deadline))
         if not self._flush_pending:
             self._flush_pending = True
             self._loop.call_soon(self._flush)
@@ -194,7 +200,7 @@ class _Connection:
 
     def _flush(self) -> None:
         """Send what the kernel takes; then wait for writability, at most the write timeout
-        without progress."""
+        without progress, and no later than the deadline of the oldest call still sending."""
         if self._error is not None:
             return
         before = self._sent
@@ -219,12 +225,13 @@ class _Connection:
         else:
             self._loop.add_writer(self._fd, self._flush)
             if self._stall is None:
-                limit = self._settings.timeout.write
+                deadline = self._marks[0][2] if self._marks else math.inf
+                limit = max(0.0, min(self._settings.timeout.write, deadline - time.monotonic()))
                 self._stall = self._loop.call_later(limit, self._stalled, limit)
 
     def _stalled(self, limit: float) -> None:
         self._stall = None
-        self.close(WriteTimeout(f"the server took no bytes for {limit}s"))
+        self.close(WriteTimeout(f"the server took no bytes for {limit:.3g}s"))
 
     # -- reading: one task reads replies in order into each waiter's sinks --------------
 
@@ -234,9 +241,11 @@ class _Connection:
             while self._pending:
                 waiter = self._pending[0]
                 await waiter.sent.wait()  # never time a reply while its request is still going out
-                limit = waiter.batch.read_timeout or self._settings.timeout.read
+                batch = waiter.batch
+                limit = batch.read_timeout or self._settings.timeout.read
                 results = [
-                    await self._read(op, limit) if op.expects_reply else None for op in waiter.batch.ops
+                    await self._read(op, limit, batch.deadline) if op.expects_reply else None
+                    for op in batch.ops
                 ]
                 self._pending.popleft()
                 if not waiter.future.done():  # its coroutine may have been cancelled
@@ -250,23 +259,23 @@ class _Connection:
         finally:
             self._reader = None
 
-    async def _read(self, op: Op[Any], limit: float) -> Received:
+    async def _read(self, op: Op[Any], limit: float, deadline: float) -> Received:
         flow = read_reply(self._inbox, self._settings.generation, op.sink, MAX_CONTROL_BODY)
         with map_exceptions(READ_ERRORS):
             try:
                 view = next(flow)
                 while True:
-                    view = flow.send(await self._recv_into(view, limit))
+                    view = flow.send(await self._recv_into(view, limit, deadline))
             except StopIteration as stop:
                 received: Received = stop.value
                 return received
 
-    async def _recv_into(self, view: memoryview, limit: float) -> int:
+    async def _recv_into(self, view: memoryview, limit: float, deadline: float) -> int:
         while True:
             try:
                 return self._sock.recv_into(view)
             except (BlockingIOError, InterruptedError):
-                await self._readable(limit)
+                await self._readable(wait_limit(deadline, limit, ReadTimeout))
 
     async def _readable(self, limit: float) -> None:
         ready: asyncio.Future[None] = self._loop.create_future()
@@ -275,7 +284,7 @@ class _Connection:
             async with asyncio.timeout(limit):
                 await ready
         except TimeoutError:
-            raise ReadTimeout(f"no reply byte for {limit}s") from None
+            raise ReadTimeout(f"no reply byte for {limit:.3g}s") from None
         finally:
             if self._error is None:  # else close() unregistered it before closing the socket
                 self._loop.remove_reader(self._fd)
@@ -327,13 +336,13 @@ class AsyncClient(BaseClient):
     async def _run_all(self, batches: list[Batch]) -> list[list[Any]]:
         """Each batch's results, the batches running concurrently (each on its own lane,
         or pipelined on a shared one); the first error once all have finished."""
-        if len(batches) == 1:
-            return [await self._run(batches[0])]
-        results = await asyncio.gather(*(self._run(batch) for batch in batches), return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-        return results  # type: ignore[return-value]
+        if len(batches) == 1:  # no task to create
+            try:
+                return [await self._run(batches[0])]
+            except LMClientError as exc:
+                return settle(batches, [exc])
+        outcomes = await asyncio.gather(*(self._run(batch) for batch in batches), return_exceptions=True)
+        return settle(batches, outcomes)
 
     async def _exchange(self, batch: Batch) -> Results:
         self._check_open()
@@ -343,13 +352,26 @@ class AsyncClient(BaseClient):
         if conn is None or not conn.usable or conn.dropped():
             if conn is not None and conn.usable:
                 conn.close(ReadError("the server closed the connection"))
-            async with self._connect_locks[batch.server]:
-                self._check_open()
-                conn = lanes[lane]
-                if conn is None or not conn.usable:
-                    conn = await _Connection.open(self._settings, self._settings.servers[batch.server])
-                    lanes[lane] = conn
+            conn = await self._connect(batch, lane)
         return await conn.exchange(batch)
+
+    async def _connect(self, batch: Batch, lane: int) -> _Connection:
+        """The lane's connection, opened now unless another coroutine just did; waiting for
+        the server's connect lock counts against the connect timeout and the deadline."""
+        limit = wait_limit(batch.deadline, self._settings.timeout.connect, ConnectTimeout)
+        lanes = self._lanes[batch.server]
+        try:
+            async with asyncio.timeout(limit):
+                async with self._connect_locks[batch.server]:
+                    self._check_open()
+                    conn = lanes[lane]
+                    if conn is None or not conn.usable:
+                        address = self._settings.servers[batch.server]
+                        conn = await _Connection.open(self._settings, address, limit)
+                        lanes[lane] = conn
+                    return conn
+        except TimeoutError:  # the lock was not ours in time
+            raise ConnectTimeout(f"no connection within {limit:.3g}s") from None
 
     @staticmethod
     def _pick(lanes: list[_Connection | None]) -> int:
@@ -383,14 +405,66 @@ class AsyncClient(BaseClient):
     async def exists(self, key: str) -> bool:
         return await self._call(self._single(self._commands.exists(key)))
 
-    async def put_many(self, keys: Sequence[str], data: Sequence[Any], *, ack: bool = False) -> None:
-        await self._call(self._put_many_flow(keys, data, ack))
+    @overload
+    async def put_many(
+        self,
+        keys: Sequence[str],
+        data: Sequence[Any],
+        *,
+        ack: bool = ...,
+        return_exceptions: Literal[False] = ...,
+    ) -> None: ...
+    @overload
+    async def put_many(
+        self, keys: Sequence[str], data: Sequence[Any], *, ack: bool = ..., return_exceptions: Literal[True]
+    ) -> list[LMClientError | None]: ...
+    async def put_many(
+        self, keys: Sequence[str], data: Sequence[Any], *, ack: bool = False, return_exceptions: bool = False
+    ) -> list[LMClientError | None] | None:
+        results = await self._call(self._put_many_flow(keys, data, ack, return_exceptions))
+        return results if return_exceptions else None
 
-    async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        return await self._call(self._grouped([self._commands.get(k) for k in keys]))
+    @overload
+    async def get_many(
+        self, keys: Sequence[str], *, return_exceptions: Literal[False] = ...
+    ) -> list[bytes | None]: ...
+    @overload
+    async def get_many(
+        self, keys: Sequence[str], *, return_exceptions: Literal[True]
+    ) -> list[bytes | LMClientError | None]: ...
+    async def get_many(
+        self, keys: Sequence[str], *, return_exceptions: bool = False
+    ) -> list[bytes | None] | list[bytes | LMClientError | None]:
+        return await self._call(self._get_many_flow(keys, return_exceptions))
 
-    async def get_many_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int | None]:
-        return await self._call(self._get_many_into_flow(keys, buffers))
+    @overload
+    async def get_many_into(
+        self, keys: Sequence[str], buffers: Sequence[Any], *, return_exceptions: Literal[False] = ...
+    ) -> list[int | None]: ...
+    @overload
+    async def get_many_into(
+        self, keys: Sequence[str], buffers: Sequence[Any], *, return_exceptions: Literal[True]
+    ) -> list[int | LMClientError | None]: ...
+    async def get_many_into(
+        self, keys: Sequence[str], buffers: Sequence[Any], *, return_exceptions: bool = False
+    ) -> list[int | None] | list[int | LMClientError | None]:
+        return await self._call(self._get_many_into_flow(keys, buffers, return_exceptions))
+
+    @overload
+    async def delete_many(
+        self, keys: Iterable[str], *, return_exceptions: Literal[False] = ...
+    ) -> list[bool]: ...
+    @overload
+    async def delete_many(
+        self, keys: Iterable[str], *, return_exceptions: Literal[True]
+    ) -> list[bool | LMClientError]: ...
+    async def delete_many(
+        self, keys: Iterable[str], *, return_exceptions: bool = False
+    ) -> list[bool] | list[bool | LMClientError]:
+        return await self._call(self._delete_many_flow(keys, return_exceptions))
+
+    async def list_page(self, prefix: str = "", *, after: str = "", limit: int = 1000) -> Page:
+        return await self._call(self._list_page_flow(prefix, after, limit))
 
     async def exists_many(self, keys: Iterable[str]) -> list[bool]:
         return await self._call(self._exists_many_flow(keys))
@@ -399,7 +473,7 @@ class AsyncClient(BaseClient):
         return await self._call(self._single(self._commands.delete(key)))
 
     async def health(self) -> bool:
-        return await self._call(self._health_flow())
+        return await self._call(self._health_flow(), self._settings.probe_timeout)
 
     async def stats(self) -> dict[str, Any]:
         return await self._call(self._stats_flow())

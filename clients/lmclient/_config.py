@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import ssl
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -15,7 +16,6 @@ from typing import Literal
 from lmproto import Generation
 
 from ._exceptions import (
-    ConnectTimeout,
     InvalidRequest,
     NetworkError,
     TimeoutException,
@@ -32,15 +32,22 @@ ExistManyMode = Literal["auto", "always", "never"]
 
 
 class Timeout:
-    """Seconds each kind of wait may take; every wait has one, so nothing hangs forever.
+    """Seconds a call, and each kind of wait in it, may take; nothing hangs forever.
 
-    ``Timeout(10.0)`` sets all four; keywords override one, e.g. ``Timeout(30, connect=2)``.
-    ``read`` and ``write`` bound each wait for the socket to make progress (as in httpx),
-    so a large transfer that keeps moving is not cut off. ``pool`` bounds how long a
-    `Client` thread waits for a free connection when all ``max_connections`` are busy.
+    ``Timeout(10.0)`` sets all five; keywords override one, e.g. ``Timeout(30, connect=2)``.
+
+    - ``total``: the deadline of one call. Everything the call does (waiting for a free
+      connection, connecting, sending, waiting for and reading replies, retries and the
+      backoff before each) ends within it: each wait below is cut to what is left, and a
+      retry whose backoff would end past it is not made. So a server that is down costs a
+      call at most ``total`` (and, with several servers, is then skipped for a while).
+    - ``connect``: one attempt to open a connection.
+    - ``read`` and ``write``: each wait for the socket to make progress (as in httpx).
+    - ``pool``: how long a `Client` thread waits for a free connection when all
+      ``max_connections`` are busy.
     """
 
-    __slots__ = ("connect", "pool", "read", "write")
+    __slots__ = ("connect", "pool", "read", "total", "write")
 
     def __init__(
         self,
@@ -50,11 +57,13 @@ class Timeout:
         read: float | None = None,
         write: float | None = None,
         pool: float | None = None,
+        total: float | None = None,
     ) -> None:
         self.connect = _seconds("connect", timeout if connect is None else connect)
         self.read = _seconds("read", timeout if read is None else read)
         self.write = _seconds("write", timeout if write is None else write)
         self.pool = _seconds("pool", timeout if pool is None else pool)
+        self.total = _seconds("total", timeout if total is None else total)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Timeout) and self._fields() == other._fields()
@@ -63,11 +72,11 @@ class Timeout:
         return hash(self._fields())
 
     def __repr__(self) -> str:
-        c, r, w, p = self._fields()
-        return f"Timeout(connect={c}, read={r}, write={w}, pool={p})"
+        c, r, w, p, t = self._fields()
+        return f"Timeout(connect={c}, read={r}, write={w}, pool={p}, total={t})"
 
-    def _fields(self) -> tuple[float, float, float, float]:
-        return self.connect, self.read, self.write, self.pool
+    def _fields(self) -> tuple[float, float, float, float, float]:
+        return self.connect, self.read, self.write, self.pool, self.total
 
 
 def _seconds(name: str, value: float) -> float:
@@ -77,6 +86,15 @@ def _seconds(name: str, value: float) -> float:
 
 
 DEFAULT_TIMEOUT = Timeout(30.0, connect=5.0)
+
+
+def wait_limit(deadline: float, limit: float, expired: type[TimeoutException]) -> float:
+    """Seconds the next wait may take: ``limit``, cut to what is left before the call's
+    ``deadline`` (``time.monotonic()``); raises ``expired`` when nothing is left."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise expired("the call's deadline passed (Timeout.total)")
+    return min(limit, left)
 
 
 def compute_backoff(
@@ -100,9 +118,12 @@ class Retry:
     """How a failed exchange is retried on a fresh connection.
 
     Every lm:// operation is idempotent (PUT rewrites the same bytes), so any operation may
-    be retried. Retried: network errors (refused, reset, EOF, EPIPE) and connect timeouts.
-    Read/write timeouts only with ``on_timeout=True``: a server that is merely slow would
-    otherwise see the same work again. Server errors and protocol errors are never retried.
+    be retried. Retried: network errors (refused, reset, EOF, EPIPE). Timeouts only with
+    ``on_timeout=True``: a server that is merely slow would otherwise see the same work
+    again, and a connect timeout means the host did not answer the kernel's own SYN
+    retransmissions during the wait, so another attempt would only double what a host
+    that is down costs the call. Server errors and protocol errors are never retried.
+    Retries and their backoff also end at the call's deadline (`Timeout` ``total``).
     """
 
     retries: int = 3
@@ -121,7 +142,7 @@ class Retry:
         return compute_backoff(attempt, base=self.base, cap=self.cap)
 
     def retryable(self, exc: TransportError) -> bool:
-        if isinstance(exc, NetworkError | ConnectTimeout):
+        if isinstance(exc, NetworkError):
             return True
         return self.on_timeout and isinstance(exc, TimeoutException)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Generator, Iterable, Sequence
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Generic, Self, TypeVar
 
 from lmproto import (
     NO_META,
+    UNKNOWN_SIZE,
     Command,
     Generation,
     LocalProtocolError,
@@ -35,8 +37,10 @@ from lmproto import (
     decode_error_text,
     decode_json,
     decode_key_lines,
+    decode_page,
     decode_presence,
     encode_key_list,
+    encode_page_request,
     encode_request,
 )
 
@@ -66,6 +70,7 @@ from ._exceptions import (
     ReadTimeout,
     ServerDown,
     ServerError,
+    TimeoutException,
     TransportError,
     WriteError,
 )
@@ -126,7 +131,19 @@ class Batch:
     """The server may lack the command: only failures to connect are retried."""
     server: int = 0
     lane: int | None = None
+    settle: bool = False
+    """Each op's error is its result (``return_exceptions``): an op that fails, or every
+    op of a batch that fails whole, reports its error instead of raising it."""
+    deadline: float = math.inf
+    """``time.monotonic()`` by which the call that sends it must end (set by `_call`): every
+    wait of the exchange is cut to it, and no retry starts that would end past it."""
 
+
+RawPage = tuple[list[tuple[str, int]], bool]
+"""A LIST_PAGE reply: (key, size) pairs, and whether more keys follow."""
+Page = tuple[list[tuple[str, int | None]], str | None]
+"""A LIST_PAGE answer: (key, size or None if the server cannot tell) pairs in key order, and
+the cursor to pass as ``after`` for the next page (None after the last)."""
 
 Step = Batch | list[Batch]
 """What a flow yields: one batch (sent back its results), or batches for different
@@ -135,11 +152,40 @@ Flow = Generator[Step, Any, T]
 
 
 def interpret(batch: Batch, received: Sequence[Received | None]) -> list[Any]:
-    """Each op's result from its reply (None for a PUT); raises the first op's error."""
+    """Each op's result from its reply (None for a PUT); raises the first op's error, or
+    in a settling batch returns each op's error as its result."""
+    if batch.settle:
+        return [_settled(op, rcv) for op, rcv in zip(batch.ops, received, strict=True)]
     return [
         None if op.interpret is None or rcv is None else op.interpret(rcv)
         for op, rcv in zip(batch.ops, received, strict=True)
     ]
+
+
+def _settled(op: Op[Any], received: Received | None) -> Any:
+    try:
+        return None if op.interpret is None or received is None else op.interpret(received)
+    except LMClientError as exc:
+        return exc
+
+
+def settle(batches: Sequence[Batch], outcomes: Sequence[list[Any] | BaseException]) -> list[list[Any]]:
+    """Each batch's results from its outcome (its results, or the error it failed with):
+    a settling batch's error becomes each of its ops' result; otherwise the first error
+    is raised once all have run."""
+    results: list[list[Any]] = []
+    error: BaseException | None = None
+    for batch, outcome in zip(batches, outcomes, strict=True):
+        if not isinstance(outcome, BaseException):
+            results.append(outcome)
+        elif batch.settle and isinstance(outcome, LMClientError):
+            results.append([outcome] * len(batch.ops))
+        else:
+            error = error or outcome
+            results.append([])
+    if error is not None:
+        raise error
+    return results
 
 
 # ---------------------------------------------------------------------------------------
@@ -299,20 +345,32 @@ class Commands:
         return self._op(Command.EXIST, _yes_no("EXIST", Status.FAIL), self._keyed(key), fallback=_false)
 
     def exist_many(self, keys: Sequence[str]) -> list[Op[list[bool]]]:
-        ops: list[Op[list[bool]]] = []
+        return self._key_lists(Command.EXIST_MANY, keys, _presence)
+
+    def _key_lists(
+        self, command: Command, keys: Sequence[str], interpret: Callable[[int], Callable[[Received], T]]
+    ) -> list[Op[T]]:
+        """Requests carrying ``keys`` as key lists (as many as they need), each interpreted
+        by ``interpret(its number of keys)``; a server that is down: all absent."""
+        ops: list[Op[T]] = []
         for start in range(0, len(keys), EXIST_MANY_KEYS):
             chunk = keys[start : start + EXIST_MANY_KEYS]
             try:
                 body = memoryview(encode_key_list(chunk))
             except LocalProtocolError as exc:
                 raise InvalidRequest(str(exc)) from exc
-            misses = _misses(len(chunk))
-            ops.append(self._op(Command.EXIST_MANY, _presence(len(chunk)), body=body, fallback=misses))
+            misses: Callable[[], Any] = _misses(len(chunk))
+            ops.append(self._op(command, interpret(len(chunk)), body=body, fallback=misses))
         return ops
 
     def delete(self, key: str) -> Op[bool]:
         deleted = _yes_no("DELETE", Status.NOT_FOUND)
         return self._op(Command.DELETE, deleted, self._keyed(key), fallback=_false)
+
+    def delete_many(self, keys: Sequence[str]) -> list[Op[list[bool] | None]]:
+        """DELETE_MANY requests (as many as the keys need): each op's result is one bool per
+        key (deleted, or not there), or None when the server lacks the command."""
+        return self._key_lists(Command.DELETE_MANY, keys, _deleted_many)
 
     def list(self, prefix: str) -> Op[list[str]]:
         # lmserver filters by the prefix sent as the key; filter again for servers that don't.
@@ -320,6 +378,15 @@ class Commands:
             return [k for k in decode_key_lines(body) if k.startswith(prefix)]
 
         return self._op(Command.LIST, _decoded("LIST", keys), prefix, fallback=list)
+
+    def list_page(self, prefix: str, after: str, limit: int) -> Op[RawPage]:
+        try:
+            body = memoryview(encode_page_request(limit, after))
+        except LocalProtocolError as exc:
+            raise InvalidRequest(str(exc)) from exc
+        return self._op(
+            Command.LIST_PAGE, _decoded("LIST_PAGE", decode_page), prefix, body, fallback=_no_page
+        )
 
     def health(self) -> Op[bool]:
         return self._op(Command.HEALTH, _health, HEALTH_KEY, fallback=_false)
@@ -345,17 +412,38 @@ def _false() -> bool:
     return False
 
 
+def _no_page() -> RawPage:
+    return [], False
+
+
 def _misses(count: int) -> Callable[[], list[bool]]:
     return lambda: [False] * count
 
 
-def _presence(count: int) -> Callable[[Received], list[bool]]:
+def _presence_bytes(count: int) -> Callable[[memoryview], list[bool]]:
+    """A decoder of one byte per key (EXIST_MANY's and DELETE_MANY's replies)."""
+
     def decode(body: memoryview) -> list[bool]:
         if len(body) != count:
             raise MalformedBody(f"{len(body)} presence bytes for {count} keys")
         return decode_presence(body)
 
-    return _decoded("EXIST_MANY", decode)
+    return decode
+
+
+def _presence(count: int) -> Callable[[Received], list[bool]]:
+    return _decoded("EXIST_MANY", _presence_bytes(count))
+
+
+def _deleted_many(count: int) -> Callable[[Received], list[bool] | None]:
+    presence = _decoded("DELETE_MANY", _presence_bytes(count))
+
+    def interpret(received: Received) -> list[bool] | None:
+        if received.reply.status == Status.FAIL and not received.body:
+            return None  # an unknown command's answer: the server predates DELETE_MANY
+        return presence(received)
+
+    return interpret
 
 
 def _means_unsupported(exc: LMClientError) -> bool:
@@ -426,6 +514,7 @@ class BaseClient:
         self._counts = {"unavailable": 0, "dropped_puts": 0, "server_down": 0}
         self._counts_lock = threading.Lock()
         self._exist_many: bool | None = {"auto": None, "always": True, "never": False}[exist_many]
+        self._delete_many = True  # until a server answers DELETE_MANY as an unknown command
         self._closed = False
         self._init_io()
 
@@ -485,11 +574,15 @@ class BaseClient:
         """The lanes of ``server`` that have a live connection (which may hold PUTs)."""
         raise NotImplementedError
 
-    async def _call(self, flow: Flow[T]) -> T:
-        """Run ``flow``: each step it yields goes to `_run`/`_run_all`, results or error back."""
+    async def _call(self, flow: Flow[T], total: float | None = None) -> T:
+        """Run ``flow``: each step it yields goes to `_run`/`_run_all`, results or error back.
+        The whole call ends within ``total`` seconds (default: `Timeout` ``total``)."""
+        deadline = time.monotonic() + (self._settings.timeout.total if total is None else total)
         try:
             step = next(flow)
             while True:
+                for batch in [step] if isinstance(step, Batch) else step:
+                    batch.deadline = deadline
                 try:
                     results = await (self._run(step) if isinstance(step, Batch) else self._run_all(step))
                 except LMClientError as exc:
@@ -500,23 +593,27 @@ class BaseClient:
             return stop.value  # type: ignore[no-any-return]
 
     async def _run_all(self, batches: list[Batch]) -> list[list[Any]]:
-        """Each batch's results, in order; the first error once all have run. One after
-        the other here (blocking I/O); AsyncClient runs them concurrently."""
-        results: list[list[Any]] = []
-        error: LMClientError | None = None
+        """Each batch's results, in order; the first error once all have run (see
+        `settle`). One after the other here (blocking I/O); AsyncClient runs them
+        concurrently."""
+        outcomes: list[list[Any] | BaseException] = []
         for batch in batches:
             try:
-                results.append(await self._run(batch))
+                outcomes.append(await self._run(batch))
             except LMClientError as exc:
-                error = error or exc
-                results.append([])
-        if error is not None:
-            raise error
-        return results
+                outcomes.append(exc)
+        return settle(batches, outcomes)
 
     async def _run(self, batch: Batch) -> list[Any]:
         """One batch's results; a server that is down answers with the ops' fallbacks."""
         server = self._servers[batch.server]
+        if time.monotonic() >= batch.deadline:
+            # The call's earlier batches used up its time (one server after another, in the
+            # blocking client): this server was never asked, so it is not marked down.
+            late = TimeoutException(f"the call's deadline passed before lm://{server.address} was asked")
+            if not self._skip_down:
+                raise late
+            return self._unavailable(batch, late)
         if self._skip_down and time.monotonic() < server.retry_at:
             return self._unavailable(batch, None)
         try:
@@ -534,14 +631,15 @@ class BaseClient:
         return results
 
     async def _attempts(self, batch: Batch) -> list[Any]:
-        """One batch's results, retried on fresh connections as the policy allows."""
+        """One batch's results, retried on fresh connections as the policy and the call's
+        deadline allow."""
         for attempt in itertools.count():
             try:
                 return interpret(batch, await self._exchange(batch))
             except TransportError as exc:
                 retryable = not batch.probe or isinstance(exc, ConnectError | ConnectTimeout)
                 delay = self._settings.retry.delay(exc, attempt) if retryable else None
-                if delay is None:
+                if delay is None or time.monotonic() + delay >= batch.deadline:
                     raise
                 log.debug("retrying in %.3fs after %s: %s", delay, type(exc).__name__, exc)
                 await self._sleep(delay)
@@ -577,19 +675,26 @@ class BaseClient:
         results = yield Batch([op], server=self._placement.server(op.key), lane=self._placement.lane(op.key))
         return results[0]  # type: ignore[no-any-return]
 
-    def _grouped(self, ops: Sequence[Op[Any]], window: int = EXIST_WINDOW) -> Flow[list[Any]]:
-        """Ops on keys, each in its key's lane: one pipelined batch (of at most ``window``
-        ops) per lane, all lanes and servers at once; results in the ops' order."""
+    def _by_lane(self, keys: Iterable[str]) -> dict[tuple[int, int], list[int]]:
+        """The indexes of ``keys`` by the (server, lane) each key travels on."""
         placement = self._placement
         lanes: dict[tuple[int, int], list[int]] = {}
-        for index, op in enumerate(ops):
-            lanes.setdefault((placement.server(op.key), placement.lane(op.key)), []).append(index)
+        for index, key in enumerate(keys):
+            lanes.setdefault((placement.server(key), placement.lane(key)), []).append(index)
+        return lanes
+
+    def _grouped(
+        self, ops: Sequence[Op[Any]], window: int = EXIST_WINDOW, *, settle: bool = False
+    ) -> Flow[list[Any]]:
+        """Ops on keys, each in its key's lane: one pipelined batch (of at most ``window``
+        ops) per lane, all lanes and servers at once; results in the ops' order. With
+        ``settle``, an op that fails has its error as its result (see `Batch.settle`)."""
         batches: list[Batch] = []
         members: list[list[int]] = []
-        for (server, lane), indexes in lanes.items():
+        for (server, lane), indexes in self._by_lane(op.key for op in ops).items():
             for start in range(0, len(indexes), window):
                 part = indexes[start : start + window]
-                batches.append(Batch([ops[i] for i in part], server=server, lane=lane))
+                batches.append(Batch([ops[i] for i in part], server=server, lane=lane, settle=settle))
                 members.append(part)
         parts = yield batches
         results: list[Any] = [None] * len(ops)
@@ -617,17 +722,57 @@ class BaseClient:
         if batches:
             yield batches
 
-    def _put_many_flow(self, keys: Sequence[str], data: Sequence[Any], ack: bool) -> Flow[None]:
+    def _put_many_flow(
+        self, keys: Sequence[str], data: Sequence[Any], ack: bool, settle: bool = False
+    ) -> Flow[list[Any]]:
         if len(keys) != len(data):
             raise InvalidRequest(f"{len(keys)} keys but {len(data)} objects")
         put = self._commands.put
-        yield from self._grouped([put(k, d, None, ack) for k, d in zip(keys, data, strict=True)])
+        ops = [put(k, d, None, ack) for k, d in zip(keys, data, strict=True)]
+        return (yield from self._grouped(ops, settle=settle))
 
-    def _get_many_into_flow(self, keys: Sequence[str], buffers: Sequence[Any]) -> Flow[list[int | None]]:
+    def _get_many_flow(self, keys: Sequence[str], settle: bool = False) -> Flow[list[Any]]:
+        return (yield from self._grouped([self._commands.get(k) for k in keys], settle=settle))
+
+    def _get_many_into_flow(
+        self, keys: Sequence[str], buffers: Sequence[Any], settle: bool = False
+    ) -> Flow[list[Any]]:
         if len(keys) != len(buffers):
             raise InvalidRequest(f"{len(keys)} keys but {len(buffers)} buffers")
         ops = [self._commands.get_into(k, b) for k, b in zip(keys, buffers, strict=True)]
-        return (yield from self._grouped(ops))
+        return (yield from self._grouped(ops, settle=settle))
+
+    def _delete_many_flow(self, keys: Iterable[str], settle: bool = False) -> Flow[list[Any]]:
+        """One DELETE_MANY per lane holding some of the keys (in that lane, after the keys'
+        earlier commands); pipelined DELETEs where a server lacks it (an older lmserver)."""
+        keys = list(keys)
+        results: list[Any] = [False] * len(keys)
+        singly: list[int] = list(range(len(keys)))  # indexes deleted one DELETE each
+        if keys and self._delete_many:
+            lanes = self._by_lane(keys)
+            batches = [
+                Batch(
+                    self._commands.delete_many([keys[i] for i in indexes]), server=s, lane=lane, settle=settle
+                )
+                for (s, lane), indexes in lanes.items()
+            ]
+            parts = yield batches
+            singly = []
+            for indexes, part in zip(lanes.values(), parts, strict=True):
+                for start, answer in zip(range(0, len(indexes), EXIST_MANY_KEYS), part, strict=True):
+                    members = indexes[start : start + EXIST_MANY_KEYS]
+                    if answer is None:  # the server answered as to an unknown command
+                        self._delete_many = False
+                        singly += members
+                        continue
+                    outcomes = [answer] * len(members) if isinstance(answer, LMClientError) else answer
+                    for index, outcome in zip(members, outcomes, strict=True):
+                        results[index] = outcome
+        if singly:
+            ops = [self._commands.delete(keys[i]) for i in singly]
+            for index, outcome in zip(singly, (yield from self._grouped(ops, settle=settle)), strict=True):
+                results[index] = outcome
+        return results
 
     def _put_tensor_op(self, key: str, tensor: torch.Tensor, fmt: int, ack: bool) -> Op[None]:
         from ._tensor import tensor_bytes, tensor_meta
@@ -663,6 +808,18 @@ class BaseClient:
             return parts[0]
         return list(dict.fromkeys(key for part in parts for key in part))
 
+    def _list_page_flow(self, prefix: str, after: str, limit: int) -> Flow[Page]:
+        """The first ``limit`` keys (and sizes) after ``after`` over every server, and the
+        cursor of the next page: each server's page is its own first keys after ``after``,
+        so the merge of those pages holds the first ``limit`` of all."""
+        yield from self._fences()
+        parts = yield from self._everywhere(lambda: self._commands.list_page(prefix, after, limit))
+        merged = sorted({key: size for entries, _ in parts for key, size in entries}.items())
+        page = merged[:limit]
+        more = len(merged) > limit or any(more for _, more in parts)
+        entries = [(key, None if size == UNKNOWN_SIZE else size) for key, size in page]
+        return entries, (page[-1][0] if more and page else None)
+
     def _exists_many_flow(self, keys: Iterable[str]) -> Flow[list[bool]]:
         keys = list(keys)
         if not keys:
@@ -672,10 +829,7 @@ class BaseClient:
             probing = self._exist_many is None
             # One EXIST_MANY per lane holding some of the keys, each in that lane, so it
             # is served after every earlier PUT of its keys (read-your-writes).
-            placement = self._placement
-            lanes: dict[tuple[int, int], list[int]] = {}
-            for index, key in enumerate(keys):
-                lanes.setdefault((placement.server(key), placement.lane(key)), []).append(index)
+            lanes = self._by_lane(keys)
             batches = [
                 Batch(commands.exist_many([keys[i] for i in indexes]), server=server, lane=lane)
                 for (server, lane), indexes in lanes.items()

@@ -15,22 +15,26 @@ import threading
 import time
 from collections.abc import Coroutine, Iterable, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Self, TypeVar, overload
 
 from lmproto import MAX_CONTROL_BODY, MemoryFormat, ObjectMeta
 
-from ._config import Settings
+from ._config import Settings, wait_limit
 from ._exceptions import (
     CONNECT_ERRORS,
     READ_ERRORS,
     WRITE_ERRORS,
+    ConnectTimeout,
+    LMClientError,
     PoolTimeout,
+    ReadTimeout,
+    WriteTimeout,
     map_exceptions,
 )
-from ._ops import BaseClient, Batch, Flow, Op
+from ._ops import BaseClient, Batch, Flow, Op, Page
 from ._placement import Address
 from ._tls import TLSSocket, wrap_blocking
-from ._wire import IOV_MAX, Inbox, Received, advance, read_reply, readable_now
+from ._wire import IOV_MAX, Inbox, Received, advance, read_reply, readable_now, tune
 
 if TYPE_CHECKING:
     import torch
@@ -49,14 +53,16 @@ def run_blocking(coro: Coroutine[Any, Any, T]) -> T:
 
 
 class _Connection:
-    """One blocking socket; used by one thread at a time (the pool sees to that)."""
+    """One blocking socket; used by one thread at a time (the pool sees to that). Every
+    wait is cut to what is left of the call's deadline (`wait_limit`)."""
 
-    def __init__(self, settings: Settings, address: Address) -> None:
+    def __init__(self, settings: Settings, address: Address, deadline: float) -> None:
         timeout = settings.timeout
         self._sock: socket.socket | TLSSocket
+        limit = wait_limit(deadline, timeout.connect, ConnectTimeout)
         with map_exceptions(CONNECT_ERRORS):
-            self._sock = socket.create_connection(address, timeout=timeout.connect)
-            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._sock = socket.create_connection(address, timeout=limit)
+            tune(self._sock, timeout.connect)
             if settings.ssl_context is not None:
                 self._sock = wrap_blocking(self._sock, settings.ssl_context, address.host)
         self._generation = settings.generation
@@ -72,20 +78,23 @@ class _Connection:
 
     def exchange(self, batch: Batch) -> list[Received | None]:
         buffers = [buf for op in batch.ops for buf in op.buffers]
-        self._sock.settimeout(self._timeout.write)
+        deadline = batch.deadline
         with map_exceptions(WRITE_ERRORS):
             while buffers:
+                self._sock.settimeout(wait_limit(deadline, self._timeout.write, WriteTimeout))
                 buffers = advance(buffers, self._sock.sendmsg(buffers[:IOV_MAX]))
-        self._sock.settimeout(batch.read_timeout or self._timeout.read)
-        return [self._read(op) if op.expects_reply else None for op in batch.ops]
+        limit = batch.read_timeout or self._timeout.read
+        return [self._read(op, limit, deadline) if op.expects_reply else None for op in batch.ops]
 
-    def _read(self, op: Op[Any]) -> Received:
+    def _read(self, op: Op[Any], limit: float, deadline: float) -> Received:
         flow = read_reply(self._inbox, self._generation, op.sink, MAX_CONTROL_BODY)
+        sock = self._sock
         with map_exceptions(READ_ERRORS):
             try:
                 view = next(flow)
                 while True:
-                    view = flow.send(self._sock.recv_into(view))
+                    sock.settimeout(wait_limit(deadline, limit, ReadTimeout))
+                    view = flow.send(sock.recv_into(view))
             except StopIteration as stop:
                 received: Received = stop.value
                 return received
@@ -107,10 +116,11 @@ class _Pool:
         self._closed = False
         self._cond = threading.Condition()
 
-    def acquire(self, lane: int | None) -> tuple[int, _Connection]:
+    def acquire(self, lane: int | None, call_deadline: float) -> tuple[int, _Connection]:
         """A lane's live connection, opened if need be; the lane is this thread's until
         `release` or `discard`."""
-        deadline = time.monotonic() + self._settings.timeout.pool
+        start = time.monotonic()
+        deadline = min(start + self._settings.timeout.pool, call_deadline)
         with self._cond:
             while True:
                 chosen = self._free(lane)
@@ -120,13 +130,13 @@ class _Pool:
                     break
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._cond.wait(left):
-                    raise PoolTimeout(f"no free connection in {self._settings.timeout.pool}s")
+                    raise PoolTimeout(f"no free connection in {deadline - start:.3g}s")
         try:
             if conn is not None and conn.dropped():
                 conn.close()
                 conn = None
             if conn is None:
-                conn = _Connection(self._settings, self._address)
+                conn = _Connection(self._settings, self._address, call_deadline)
         except BaseException:
             with self._cond:
                 self._conns[chosen] = None
@@ -181,7 +191,8 @@ class Client(BaseClient):
     - ``protocol``: the frame generation, ``"v1"`` (default: what today's LMCache ``lm://``
       connector speaks, and the only one that carries tensor metadata) or ``"v0"`` (LMCache
       <= 0.3 servers). lmserver accepts both on one port.
-    - ``timeout``: seconds, or a `Timeout` for connect/read/write/pool separately.
+    - ``timeout``: seconds, or a `Timeout` for connect/read/write/pool separately and for
+      ``total``, the deadline of one call: its waits, retries and backoff all end within it.
     - ``retry``: retries after a network error, or a `Retry` policy (backoff, timeouts).
     - ``max_connections``: connections per server; each key's commands use one of them.
     - ``exist_many``: ``"auto"`` tries the EXIST_MANY extension once (bounded by
@@ -219,8 +230,8 @@ class Client(BaseClient):
 
     # -- I/O --------------------------------------------------------------------------
 
-    def _drive(self, flow: Flow[T]) -> T:
-        return run_blocking(self._call(flow))
+    def _drive(self, flow: Flow[T], total: float | None = None) -> T:
+        return run_blocking(self._call(flow, total))
 
     async def _sleep(self, seconds: float) -> None:
         time.sleep(seconds)  # noqa: ASYNC251 - blocking by design, see run_blocking
@@ -228,7 +239,7 @@ class Client(BaseClient):
     async def _exchange(self, batch: Batch) -> list[Received | None]:  # blocking
         self._check_open()
         pool = self._pools[batch.server]
-        lane, conn = pool.acquire(batch.lane)
+        lane, conn = pool.acquire(batch.lane, batch.deadline)
         try:
             received = conn.exchange(batch)
         except BaseException:
@@ -272,17 +283,81 @@ class Client(BaseClient):
     def exists(self, key: str) -> bool:
         return self._drive(self._single(self._commands.exists(key)))
 
-    def put_many(self, keys: Sequence[str], data: Sequence[Any], *, ack: bool = False) -> None:
-        """`put` of each ``(key, data)`` pair, pipelined per connection and server."""
-        self._drive(self._put_many_flow(keys, data, ack))
+    @overload
+    def put_many(
+        self,
+        keys: Sequence[str],
+        data: Sequence[Any],
+        *,
+        ack: bool = ...,
+        return_exceptions: Literal[False] = ...,
+    ) -> None: ...
+    @overload
+    def put_many(
+        self, keys: Sequence[str], data: Sequence[Any], *, ack: bool = ..., return_exceptions: Literal[True]
+    ) -> list[LMClientError | None]: ...
+    def put_many(
+        self, keys: Sequence[str], data: Sequence[Any], *, ack: bool = False, return_exceptions: bool = False
+    ) -> list[LMClientError | None] | None:
+        """`put` of each ``(key, data)`` pair, pipelined per connection and server.
 
-    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        """`get` of each key, pipelined per connection and server; results in order."""
-        return self._drive(self._grouped([self._commands.get(k) for k in keys]))
+        ``return_exceptions=True``: nothing is raised for a pair that fails; the result is
+        one entry per pair, None where it was sent (stored, with ``ack``) and the error
+        where not (a refusal with ``ack``, a server that is down, a connection that failed).
+        Otherwise the first error is raised (the other pairs may or may not be stored)."""
+        results = self._drive(self._put_many_flow(keys, data, ack, return_exceptions))
+        return results if return_exceptions else None
 
-    def get_many_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int | None]:
-        """`get_into` of each key into its buffer, pipelined; lengths (None: miss) in order."""
-        return self._drive(self._get_many_into_flow(keys, buffers))
+    @overload
+    def get_many(
+        self, keys: Sequence[str], *, return_exceptions: Literal[False] = ...
+    ) -> list[bytes | None]: ...
+    @overload
+    def get_many(
+        self, keys: Sequence[str], *, return_exceptions: Literal[True]
+    ) -> list[bytes | LMClientError | None]: ...
+    def get_many(
+        self, keys: Sequence[str], *, return_exceptions: bool = False
+    ) -> list[bytes | None] | list[bytes | LMClientError | None]:
+        """`get` of each key, pipelined per connection and server; results in order
+        (``return_exceptions``: a key's error is its result, as in `put_many`)."""
+        return self._drive(self._get_many_flow(keys, return_exceptions))
+
+    @overload
+    def get_many_into(
+        self, keys: Sequence[str], buffers: Sequence[Any], *, return_exceptions: Literal[False] = ...
+    ) -> list[int | None]: ...
+    @overload
+    def get_many_into(
+        self, keys: Sequence[str], buffers: Sequence[Any], *, return_exceptions: Literal[True]
+    ) -> list[int | LMClientError | None]: ...
+    def get_many_into(
+        self, keys: Sequence[str], buffers: Sequence[Any], *, return_exceptions: bool = False
+    ) -> list[int | None] | list[int | LMClientError | None]:
+        """`get_into` of each key into its buffer, pipelined; lengths (None: miss) in order
+        (``return_exceptions``: a key's error, e.g. `BufferTooSmall`, is its result)."""
+        return self._drive(self._get_many_into_flow(keys, buffers, return_exceptions))
+
+    @overload
+    def delete_many(self, keys: Iterable[str], *, return_exceptions: Literal[False] = ...) -> list[bool]: ...
+    @overload
+    def delete_many(
+        self, keys: Iterable[str], *, return_exceptions: Literal[True]
+    ) -> list[bool | LMClientError]: ...
+    def delete_many(
+        self, keys: Iterable[str], *, return_exceptions: bool = False
+    ) -> list[bool] | list[bool | LMClientError]:
+        """`delete` of each key (False: it was not there): one DELETE_MANY per connection
+        and server, pipelined DELETEs where a server lacks it (``return_exceptions`` as in
+        `put_many`)."""
+        return self._drive(self._delete_many_flow(keys, return_exceptions))
+
+    def list_page(self, prefix: str = "", *, after: str = "", limit: int = 1000) -> Page:
+        """One page of the keys starting with ``prefix``, in key order: up to ``limit``
+        ``(key, size)`` pairs after the key ``after`` (size None where the server cannot
+        tell it without I/O), and the ``after`` of the next page (None after the last).
+        LIST_PAGE, an lmserver extension; a server may send fewer than ``limit``."""
+        return self._drive(self._list_page_flow(prefix, after, limit))
 
     def exists_many(self, keys: Iterable[str]) -> list[bool]:
         """Presence of each key, in order: one EXIST_MANY round trip where the server has
@@ -296,7 +371,7 @@ class Client(BaseClient):
     def health(self) -> bool:
         """True if the server answers HEALTH with success within ``probe_timeout``; False
         if it answers otherwise (e.g. while draining), too late, or cannot be reached."""
-        return self._drive(self._health_flow())
+        return self._drive(self._health_flow(), self._settings.probe_timeout)
 
     def stats(self) -> dict[str, Any]:
         """The server's counters as a dict (lmserver extension)."""

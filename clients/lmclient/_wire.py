@@ -112,6 +112,18 @@ def advance(buffers: Sequence[memoryview], sent: int) -> list[memoryview]:
     return rest
 
 
+def tune(sock: socket.socket, unacknowledged_s: float) -> None:
+    """Set up a connected socket: ``TCP_NODELAY`` (requests go out at once), and, where the
+    OS has it, ``TCP_USER_TIMEOUT``: bytes the server has not acknowledged for
+    ``unacknowledged_s`` (the connect timeout) mean its host is unreachable (a cut link, a
+    machine gone), so the connection fails then, as a timeout, instead of after the read
+    timeout, which is for a server that is slow to answer (it still acknowledges)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    user_timeout = getattr(socket, "TCP_USER_TIMEOUT", None)
+    if user_timeout is not None:
+        sock.setsockopt(socket.IPPROTO_TCP, user_timeout, max(1, round(unacknowledged_s * 1000)))
+
+
 def readable_now(sock: socket.socket | HasFileno) -> bool:
     """Whether an idle connection has something to read: the server closed it (EOF or
     reset) or sent bytes nobody asked for; either way it must not be reused."""

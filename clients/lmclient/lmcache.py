@@ -17,14 +17,17 @@ replies are received straight into the `MemoryObj` that LMCache's allocator hand
 for the reply's shape, dtype and format (no staging copy). A server that fails is skipped
 for a backoff period and retried (see lmclient's ``servers``), and every failure reaches
 LMCache only as the answer it expects for a miss (False, None, 0, an empty list): each is
-counted in `LMServerConnector.errors` and logged at most once per ``LOG_EVERY`` seconds per
-kind.
+counted in `LMServerConnector.errors` (a call that failed, by kind, and ``unavailable``:
+operations answered as misses because their server was down) and logged at most once per
+``LOG_EVERY`` seconds per kind (the client logs each time it finds a server down).
 
 Options, as ``remote_storage_plugin.<name>.<option>`` in ``extra_config``:
 
 - ``url`` (required; or env ``LMSERVER_URL``): ``lm://host:port[,host:port...]``.
 - ``max_connections`` (4): connections per server.
-- ``timeout`` (10): seconds any one wait may take (connect: at most 2).
+- ``timeout`` (10): seconds one call may take in all: connecting (at most 2 s an attempt),
+  retries, their backoff and every wait (lmclient's ``Timeout`` ``total``), so a server that
+  is down costs a lookup, store or retrieval at most this, once per skip period.
 - ``retries`` (1): immediate reconnect-and-retry attempts before a server counts as down.
 - ``put_ack`` (false): store with PUT_ACK (the put coroutine waits for the server).
 """
@@ -36,8 +39,6 @@ import builtins
 import concurrent.futures
 import logging
 import os
-import threading
-import time
 from collections import Counter
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -52,6 +53,7 @@ from lmproto import ObjectMeta, Reply
 from ._async import AsyncClient
 from ._config import Retry, Timeout, parse_servers
 from ._exceptions import BufferTooSmall, InvalidRequest, LMClientError
+from ._failures import FailureLog
 from ._ops import Op
 from ._wire import Received, writable_view
 
@@ -67,7 +69,7 @@ log = logging.getLogger("lmclient.lmcache")
 LOG_EVERY = 30.0
 """Seconds between two log lines about failures of one kind (the rest are counted)."""
 SYNC_SLACK = 5.0
-"""Seconds a synchronous call waits beyond the client's own timeouts before it gives up."""
+"""Seconds a synchronous call waits beyond the client's own deadline before it gives up."""
 
 
 class _Allocation:
@@ -191,10 +193,8 @@ class LMServerConnector(RemoteConnector):  # type: ignore[misc]
             exist_many="auto",
             skip_down=True,  # a server that fails is skipped (misses) and retried with backoff
         )
-        self._sync_timeout = seconds * 2 + SYNC_SLACK
-        self.errors: Counter[str] = Counter()
-        self._logged: dict[str, float] = {}
-        self._lock = threading.Lock()
+        self._sync_timeout = seconds + SYNC_SLACK
+        self._failures = FailureLog(log, "lmserver", LOG_EVERY)
         log.info("lmserver plugin: %s (put_ack=%s)", url, self.put_ack)
 
     def __repr__(self) -> str:
@@ -202,15 +202,20 @@ class LMServerConnector(RemoteConnector):  # type: ignore[misc]
 
     # -- failures become misses -------------------------------------------------------
 
+    @property
+    def errors(self) -> Counter[str]:
+        """Failures answered to LMCache as misses, by kind: this connector's calls that
+        failed (``get``, ``put``, ``lookup``, ``get (refused)``, ...) and ``unavailable``,
+        the operations the client answered as misses (or dropped, for puts) because their
+        server was down."""
+        counts = self._failures.counts()
+        unavailable = self.client.counters["unavailable"]
+        if unavailable:
+            counts["unavailable"] = unavailable
+        return counts
+
     def _failed(self, what: str, exc: BaseException) -> None:
-        now = time.monotonic()
-        with self._lock:
-            self.errors[what] += 1
-            if now - self._logged.get(what, -LOG_EVERY) < LOG_EVERY:
-                return
-            self._logged[what] = now
-            count = self.errors[what]
-        log.warning("lmserver %s failed (%d so far): %s: %s", what, count, type(exc).__name__, exc)
+        self._failures.record(what, exc)
 
     async def _guard(self, what: str, coro: Coroutine[Any, Any, T], default: T) -> T:
         try:

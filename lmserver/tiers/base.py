@@ -13,7 +13,8 @@ per-key order across the chain.
   straight in the memory tier's buffer (promotion without a copy). It returns the object's
   metadata, or None on a miss, and never returns torn or corrupt data.
 * ``contains`` and ``keys`` answer from the tier's in-memory index, so EXIST and LIST
-  never wait for I/O.
+  never wait for I/O. ``may_hold`` says whether a GET should ask the tier at all (a shared
+  tier that probes its backend says yes for keys it has not indexed yet).
 * **Eviction hands off instead of dropping.** When a tier evicts an object to make room it
   calls ``self.hand_off(victim)``: the Store (which set ``on_evict``) may keep the victim
   to demote it to the next tier, and calls ``victim.release()`` when done; with no taker
@@ -124,6 +125,13 @@ class Tier(abc.ABC):
 
     @abc.abstractmethod
     def contains(self, key: str) -> bool: ...
+
+    def may_hold(self, key: str) -> bool:
+        """Whether a GET that missed the tiers in front should ask this tier for ``key``.
+        ``contains`` for most tiers; a shared tier that looks in its backend when a GET
+        misses its index (``probe``) also says True for keys it has not indexed: another
+        server may have written them since its last refresh. EXIST never uses this."""
+        return self.contains(key)
 
     def touch(self, key: str) -> None:  # noqa: B027 - optional hook
         """A tier in front served ``key``: refresh its recency here too, so this tier's LRU

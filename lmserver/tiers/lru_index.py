@@ -96,6 +96,17 @@ class LRUIndex(Generic[R]):
                 self._sorted.remove(key)
             self._put_locked(key, record)
 
+    def adopt(self, key: str, record: R) -> R:
+        """Add a record found in the backend (a shared tier's probe), as the most recently
+        used, unless ``key`` has one meanwhile; returns the record the index now holds (no
+        capacity check: call ``overflow()`` after)."""
+        with self.lock:
+            current = self.records.get(key)
+            if current is not None:
+                return current
+            self._put_locked(key, record)
+        return record
+
     def reserve(self, size: int) -> list[tuple[str, R]] | None:
         """Book ``size`` bytes, taking LRU records out of the index as needed. Returns the
         victims (possibly none), or None if even evicting everything cannot make room now
@@ -109,20 +120,47 @@ class LRUIndex(Generic[R]):
             self.reserved += size
             return victims
 
+    def book(self, size: int, *, slack: int = 0) -> bool:
+        """Book ``size`` bytes if they fit now beside what is indexed, reserved and doomed
+        (no eviction: a caller that frees space in the background evicts with
+        ``evict_lru`` and books again once the space is back). ``slack``: doomed bytes the
+        caller counts as gone already (victims it handed off to be demoted)."""
+        with self.lock:
+            if self.bytes + self.reserved + self.doomed - slack + size > self.capacity:
+                return False
+            self.reserved += size
+            return True
+
+    def evict_lru(self) -> tuple[str, R] | None:
+        """Take the least recently used record out of the index, its bytes doomed until
+        ``forget``; None when the index is empty."""
+        with self.lock:
+            if not self.records:
+                return None
+            return self._evict_locked(hold=True)
+
+    @property
+    def used(self) -> int:
+        """Bytes indexed, reserved and doomed: what the backend may hold at most."""
+        return self.bytes + self.reserved + self.doomed
+
     def hold(self, size: int) -> None:
         """Victims kept in the backend (handed off for demotion) until ``forget``."""
         with self.lock:
             self.doomed += size
 
-    def commit(self, key: str, record: R, reserved: int) -> R | None:
+    def commit(self, key: str, record: R, reserved: int, *, doom_old: bool = False) -> R | None:
         """Index a written object whose space was reserved; returns the record it replaced
-        (whose bytes the caller must remove from the backend unless it wrote in place)."""
+        (whose bytes the caller must remove from the backend unless it wrote in place;
+        ``doom_old``: they stay counted as doomed until ``forget``)."""
         with self.lock:
             self.reserved -= reserved
             old = self.records.pop(key, None)
             if old is not None:
                 self.bytes -= old.size
                 self._sorted.remove(key)
+                if doom_old:
+                    self.doomed += old.size
             self._put_locked(key, record)
             return old
 
@@ -163,8 +201,10 @@ class LRUIndex(Generic[R]):
         self._sorted.add(key)
         self.bytes += record.size
 
-    def _evict_locked(self) -> tuple[str, R]:
+    def _evict_locked(self, hold: bool = False) -> tuple[str, R]:
         key, record = self.records.popitem(last=False)
         self._sorted.remove(key)
         self.bytes -= record.size
+        if hold:
+            self.doomed += record.size
         return key, record

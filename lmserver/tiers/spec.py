@@ -13,7 +13,13 @@ Two options belong to the chain and are understood for every kind:
 * ``mode``: ``write-behind`` (every PUT is copied here, best effort) or ``demote`` (only
   what the tier in front evicts lands here). Defaults per kind (``Tier`` classes say).
 * ``queue``: bytes of objects that may wait to be written to this tier (write-behind and
-  demotion together); past it a write is skipped and counted, never waited for.
+  demotion together).
+* ``full``: what happens when the tier's queue (or the memory share for objects waiting for
+  tiers, ``--dirty-limit``) is full: ``wait`` (a PUT's connection reads no more bodies until
+  the tier catches up, up to ``--memory-wait``; memory never drops an object this tier does
+  not hold yet) or ``skip`` (count it and go on). The default follows the mode: ``wait``
+  with ``write-behind`` (the operator asked for every object there), ``skip`` with
+  ``demote`` (a cold tier takes what it can of what memory lets go).
 
 Every other option is the tier's own; a tier reads them with the typed getters below and
 ``finish()`` rejects any it did not read, so a typo is a startup error, not a silent default.
@@ -31,6 +37,8 @@ from .base import ConfigError
 
 Mode = Literal["write-behind", "demote"]
 MODES: tuple[Mode, ...] = ("write-behind", "demote")
+Full = Literal["wait", "skip"]
+FULL_POLICIES: tuple[Full, ...] = ("wait", "skip")
 DEFAULT_QUEUE_BYTES = 256 * 1024**2
 MAX_COUNT = 1024
 """Largest integer option unless a tier says otherwise: counts of threads (``workers``),
@@ -90,7 +98,7 @@ class TierSpec:
         if value is None:
             return default
         try:
-            size = parse_size(value)
+            size = parse_size(value)  # at most sizes.MAX_SIZE (1 EiB)
         except ValueError:
             raise self._fail(name, value, f"a size such as 64GiB, at most {format_size(MAX_SIZE)}") from None
         if size < minimum:
@@ -153,10 +161,18 @@ class ChainOptions:
 
     mode: Mode
     queue_bytes: int
+    full: Full = "skip"
+
+
+def default_full(mode: Mode) -> Full:
+    """``wait`` for a write-behind tier (it is to hold everything), ``skip`` for a demote one."""
+    return "wait" if mode == "write-behind" else "skip"
 
 
 def chain_options(spec: TierSpec, default_mode: Mode) -> ChainOptions:
+    mode = spec.choice("mode", MODES, default_mode)
     return ChainOptions(
-        mode=spec.choice("mode", MODES, default_mode),
+        mode=mode,
         queue_bytes=spec.size("queue", DEFAULT_QUEUE_BYTES),
+        full=spec.choice("full", FULL_POLICIES, default_full(mode)),
     )

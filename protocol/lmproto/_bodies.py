@@ -7,6 +7,7 @@ bodies never pass through this module.
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -20,6 +21,17 @@ MAX_CONTROL_BODY = 4 * 1024 * 1024
 
 MAX_REASON_BODY = 1024
 """Largest reason body of an extension error reply, in bytes."""
+
+MAX_PAGE_KEYS = 16384
+"""Most entries in one LIST_PAGE reply (a server may send fewer): at 155 bytes an entry,
+a page stays under MAX_CONTROL_BODY."""
+
+UNKNOWN_SIZE = 0xFFFFFFFF
+"""A LIST_PAGE entry's size when the server cannot tell it without I/O (the object is held
+only by a tier behind memory)."""
+
+_LIMIT = struct.Struct("<I")
+_SIZE = struct.Struct("<I")
 
 
 class MalformedBody(RemoteProtocolError):
@@ -121,3 +133,63 @@ def encode_error_text(message: str) -> bytes:
 
 def decode_error_text(body: bytes | bytearray | memoryview) -> str:
     return bytes(body).decode("utf-8", errors="replace")
+
+
+def encode_page_request(limit: int, after: str = "") -> bytes:
+    """LIST_PAGE request body: the most entries wanted (u32 LE, >= 1), then the key the
+    page starts after (UTF-8, no length byte; empty for the first page)."""
+    if not 1 <= limit <= 0xFFFFFFFF:
+        raise LocalProtocolError(f"page limit {limit} is not in 1..{0xFFFFFFFF}")
+    raw = encode_key(after).rstrip(b" ") if after else b""
+    return _LIMIT.pack(limit) + raw
+
+
+def decode_page_request(body: bytes | bytearray | memoryview) -> tuple[int, str]:
+    """(limit, after) of a LIST_PAGE request body; raises MalformedBody on anything else."""
+    view = memoryview(body)
+    if len(view) < _LIMIT.size or len(view) > _LIMIT.size + KEY_SIZE:
+        raise MalformedBody(f"LIST_PAGE body of {len(view)} bytes; it has 4 to {4 + KEY_SIZE}")
+    (limit,) = _LIMIT.unpack_from(view)
+    if limit == 0:
+        raise MalformedBody("LIST_PAGE limit is 0")
+    try:
+        after = bytes(view[_LIMIT.size :]).decode("utf-8")
+    except UnicodeDecodeError:
+        raise MalformedBody("LIST_PAGE start key is not valid UTF-8") from None
+    return limit, after
+
+
+def encode_page(entries: Sequence[tuple[str, int]], more: bool) -> bytes:
+    """LIST_PAGE reply body: one byte, 1 if keys follow the last entry (ask again, starting
+    after it) else 0; then each entry as a length byte, the key's UTF-8 bytes and its size
+    in bytes (u32 LE; UNKNOWN_SIZE when the server cannot tell)."""
+    out = bytearray(b"\x01" if more else b"\x00")
+    for key, size in entries:
+        raw = key.encode("utf-8")
+        if not 1 <= len(raw) <= KEY_SIZE:
+            raise LocalProtocolError(f"key of {len(raw)} bytes cannot be listed")
+        out.append(len(raw))
+        out += raw
+        out += _SIZE.pack(min(size, UNKNOWN_SIZE))
+    return bytes(out)
+
+
+def decode_page(body: bytes | bytearray | memoryview) -> tuple[list[tuple[str, int]], bool]:
+    """(entries, more) of a LIST_PAGE reply body; raises MalformedBody on anything else."""
+    view = memoryview(body)
+    if not view or view[0] > 1:
+        raise MalformedBody("LIST_PAGE reply lacks its leading 0 or 1 byte")
+    entries: list[tuple[str, int]] = []
+    pos, end = 1, len(view)
+    while pos < end:
+        size = view[pos]
+        if size == 0 or size > KEY_SIZE or pos + 1 + size + _SIZE.size > end:
+            raise MalformedBody(f"bad LIST_PAGE entry at offset {pos}")
+        try:
+            key = bytes(view[pos + 1 : pos + 1 + size]).decode("utf-8")
+        except UnicodeDecodeError:
+            raise MalformedBody(f"LIST_PAGE key at offset {pos} is not valid UTF-8") from None
+        pos += 1 + size
+        entries.append((key, _SIZE.unpack_from(view, pos)[0]))
+        pos += _SIZE.size
+    return entries, view[0] == 1

@@ -33,6 +33,8 @@ class Command(enum.IntEnum):
     DELETE = 102
     EXIST_MANY = 103
     STATS = 104
+    DELETE_MANY = 105
+    LIST_PAGE = 106
 
 
 UPSTREAM_COMMANDS = frozenset({Command.PUT, Command.GET, Command.EXIST, Command.LIST, Command.HEALTH})

@@ -19,7 +19,9 @@ from ._errors import RemoteProtocolError
 from ._frames import NO_META, ObjectMeta, Reply, Request
 
 _KNOWN_COMMANDS: Final = frozenset(int(c) for c in Command)
-_KEYLESS_COMMANDS: Final = frozenset({Command.LIST, Command.HEALTH, Command.STATS, Command.EXIST_MANY})
+_KEYLESS_COMMANDS: Final = frozenset(
+    {Command.LIST, Command.HEALTH, Command.STATS, Command.EXIST_MANY, Command.DELETE_MANY, Command.LIST_PAGE}
+)
 
 # decode_request is the per-request cost of a pipelined burst, so it avoids Python-level
 # NamedTuple construction: a v1 header's 28 metadata bytes are looked up in a bounded cache

@@ -33,7 +33,7 @@ OUT = Path(__file__).resolve().parent.parent / "vectors.json"
 
 # Numbers from SPEC.md, written out on purpose instead of imported.
 PUT, GET, EXIST, LIST, HEALTH = 1, 2, 3, 4, 5
-PUT_ACK, DELETE, EXIST_MANY, STATS = 101, 102, 103, 104
+PUT_ACK, DELETE, EXIST_MANY, STATS, DELETE_MANY, LIST_PAGE = 101, 102, 103, 104, 105, 106
 NAMES = {
     PUT: "PUT",
     GET: "GET",
@@ -44,6 +44,8 @@ NAMES = {
     DELETE: "DELETE",
     EXIST_MANY: "EXIST_MANY",
     STATS: "STATS",
+    DELETE_MANY: "DELETE_MANY",
+    LIST_PAGE: "LIST_PAGE",
 }
 OK, FAIL, NOT_FOUND, TOO_LARGE, UNAVAILABLE, NO_SPACE = 200, 400, 404, 413, 503, 507
 
@@ -188,6 +190,18 @@ def key_list(keys: list[str]) -> bytes:
     return out
 
 
+def page_request(limit: int, after: str = "") -> bytes:
+    return struct.pack("<I", limit) + after.encode("utf-8")
+
+
+def page_body(entries: list[tuple[str, int]], more: bool) -> bytes:
+    out = b"\x01" if more else b"\x00"
+    for key, size in entries:
+        raw = key.encode("utf-8")
+        out += bytes([len(raw)]) + raw + struct.pack("<I", size)
+    return out
+
+
 def stats_body(doc: dict[str, Any]) -> bytes:
     return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode("utf-8")
 
@@ -265,6 +279,16 @@ def build() -> dict[str, Any]:
     )
     request("v0 EXIST_MANY no keys", 0, EXIST_MANY, "", b"", body_meaning={"keys": []})
     request("v0 STATS", 0, STATS, "")
+    request("v0 DELETE_MANY three keys", 0, DELETE_MANY, "", key_list(keys3), body_meaning={"keys": keys3})
+    request(
+        "v0 LIST_PAGE first page",
+        0,
+        LIST_PAGE,
+        "vllm-llama-8b@",
+        page_request(500),
+        body_meaning={"limit": 500, "after": ""},
+        note="no start key: the page begins with the first matching key",
+    )
 
     # ---- generation 0 replies --------------------------------------------------------
     reply("v0 GET hit", 0, GET, OK, b"hello")
@@ -298,6 +322,18 @@ def build() -> dict[str, Any]:
     )
     body = stats_body(STATS_DOC)
     reply("v0 STATS", 0, STATS, OK, body, body_meaning={"json": STATS_DOC})
+    deleted = [True, False, True]
+    reply("v0 DELETE_MANY", 0, DELETE_MANY, OK, b"\x01\x00\x01", body_meaning={"deleted": deleted})
+    reply(
+        "v0 DELETE_MANY from a server without it",
+        0,
+        DELETE_MANY,
+        FAIL,
+        body_meaning={"reason": ""},
+        note="400 with no body: an unknown command's answer (a client falls back to DELETEs)",
+    )
+    last = {"entries": [], "more": False}
+    reply("v0 LIST_PAGE last page empty", 0, LIST_PAGE, OK, b"\x00", body_meaning=last)
 
     # ---- generation 1 requests -------------------------------------------------------
     request("v1 PUT with tensor meta", 1, PUT, LLAMA_KEY, tensor, meta=v1_meta)
@@ -324,6 +360,16 @@ def build() -> dict[str, Any]:
     keys2 = [LLAMA_KEY, LLAMA_KEY.replace("5f1c", "6a2d")]
     request("v1 EXIST_MANY", 1, EXIST_MANY, "", key_list(keys2), body_meaning={"keys": keys2})
     request("v1 STATS", 1, STATS, "")
+    request("v1 DELETE_MANY", 1, DELETE_MANY, "", key_list(keys2), body_meaning={"keys": keys2})
+    request(
+        "v1 LIST_PAGE after a cursor",
+        1,
+        LIST_PAGE,
+        "meta-llama/",
+        page_request(2, LLAMA_KEY),
+        body_meaning={"limit": 2, "after": LLAMA_KEY},
+        note="the page holds the first keys greater than the start key",
+    )
 
     # ---- generation 1 replies --------------------------------------------------------
     reply("v1 GET hit with meta", 1, GET, OK, tensor, meta=v1_meta)
@@ -355,6 +401,19 @@ def build() -> dict[str, Any]:
         body_meaning={"presence": [False, True], "hit_prefix": 0},
     )
     reply("v1 STATS", 1, STATS, OK, body, body_meaning={"json": STATS_DOC})
+    reply("v1 DELETE_MANY", 1, DELETE_MANY, OK, b"\x00\x01", body_meaning={"deleted": [False, True]})
+    listed = [(LLAMA_KEY.replace("5f1c", "6a2d"), 16), (LLAMA_KEY.replace("5f1c", "7b3e"), 0xFFFFFFFF)]
+    reply(
+        "v1 LIST_PAGE with more to come",
+        1,
+        LIST_PAGE,
+        OK,
+        page_body(listed, True),
+        body_meaning={"entries": [list(e) for e in listed], "more": True},
+        note="0xFFFFFFFF: size unknown (held only behind memory); the next page starts after the last key",
+    )
+    msg = "LIST_PAGE limit is 0"
+    reply("v1 LIST_PAGE bad request", 1, LIST_PAGE, FAIL, msg.encode(), body_meaning={"reason": msg})
 
     # ---- invalid frames --------------------------------------------------------------
     rpe = "RemoteProtocolError"
@@ -467,15 +526,35 @@ def build() -> dict[str, Any]:
             decoded={"command": EXIST_MANY, "length": len(bad), "key": "", "body_hex": bad.hex()},
             note="well framed: the server answers 400 and the connection goes on",
         )
-    bad = b"[1,2]"
-    invalid(
-        "STATS body not a JSON object",
-        "reply",
-        1,
-        rep_header(1, OK, len(bad)) + bad,
-        error="MalformedBody",
-        in_reply_to=STATS,
-    )
+    for what, bad in [("limit 0", page_request(0)), ("shorter than the limit", b"\x05\x00")]:
+        invalid(
+            f"LIST_PAGE body: {what}",
+            "request",
+            1,
+            req_header(1, LIST_PAGE, len(bad), space_pad(""), PLACEHOLDER) + bad,
+            error="MalformedBody",
+            decoded={
+                "command": LIST_PAGE,
+                "length": len(bad),
+                "key": "",
+                "meta": meta_dict(PLACEHOLDER),
+                "body_hex": bad.hex(),
+            },
+            note="well framed: the server answers 400 and the connection goes on",
+        )
+    bad_replies = [
+        ("LIST_PAGE entry runs past the end", 0, LIST_PAGE, b"\x00\x03ab"),
+        ("STATS body not a JSON object", 1, STATS, b"[1,2]"),
+    ]
+    for what, gen, answered, bad in bad_replies:
+        invalid(
+            what,
+            "reply",
+            gen,
+            rep_header(gen, OK, len(bad)) + bad,
+            error="MalformedBody",
+            in_reply_to=answered,
+        )
     return {
         "description": (
             "Golden frames of the lm:// protocol (both generations) and lmserver's extensions. "

@@ -293,3 +293,10 @@ def test_cpuprofile_refuses_an_unknown_target() -> None:
     proc = run_module("bench.cpuprofile", "--targets", "memcached", timeout=60)
     assert proc.returncode != 0
     assert "unknown target 'memcached'" in proc.stderr or "perf" in proc.stderr
+
+
+def test_bulk_reports_both_comparisons() -> None:
+    """``python -m bench.bulk``: DELETE_MANY against pipelined DELETEs, LIST_PAGE against LIST."""
+    out = module_output("bench.bulk", "--keys", "300", "--batch", "64", "--page", "100", "--rounds", "2")
+    assert "DELETE_MANY" in out and "pipelined DELETE" in out
+    assert "LIST_PAGE" in out and "a LIST per page" in out

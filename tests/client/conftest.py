@@ -9,9 +9,12 @@ Fake peers, each a plain socket listener on loopback served by threads, for what
 lmserver never does (fixtures ``silent_server``, ``fake_upstream``, ``drop_first_relay``):
 
 * `SilentServer`: accepts connections and never reads or answers (timeouts).
+* `UnansweredPort` (fixture ``unanswered_port``): connections are never accepted (a host
+  that is down: connect timeouts).
 * `FakeUpstream`: an upstream-like lm:// server built on lmproto: PUT/GET/EXIST/LIST only,
   and on an extension command either answers 400 (``mode="fail"``) or goes silent on that
-  connection (``mode="silent"``, as upstream's v0 server does).
+  connection (``mode="silent"``, as upstream's v0 server does); ``mode="delete"`` also
+  answers DELETE, as an lmserver that predates DELETE_MANY does.
 * `DropFirstRelay`: cuts its first connection after the first bytes of a request, then
   relays every later connection to a real server (a server that dies mid-exchange).
 """
@@ -102,6 +105,13 @@ def silent_server() -> Iterator[SilentServer]:
 
 
 @pytest.fixture
+def unanswered_port() -> Iterator[UnansweredPort]:
+    port = UnansweredPort()
+    yield port
+    port.close()
+
+
+@pytest.fixture
 def fake_upstream() -> Iterator[Callable[[Generation, str], FakeUpstream]]:
     made: list[FakeUpstream] = []
 
@@ -183,6 +193,26 @@ class SilentServer(_Listener):
     """Accepts and holds connections; reads nothing, answers nothing."""
 
 
+class UnansweredPort:
+    """A port whose SYNs go unanswered, as a host that is down (or behind a cut link) looks
+    to a client: a listener that never accepts, its backlog filled by other connections."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0), backlog=0)
+        self.host, self.port = self.listener.getsockname()[:2]
+        self.fillers: list[socket.socket] = []
+        for _ in range(8):
+            filler = socket.socket()
+            filler.setblocking(False)
+            filler.connect_ex((self.host, self.port))
+            self.fillers.append(filler)
+
+    def close(self) -> None:
+        for filler in self.fillers:
+            filler.close()
+        self.listener.close()
+
+
 class FakeUpstream(_Listener):
     def __init__(self, generation: Generation, mode: str) -> None:
         self.generation = generation
@@ -230,7 +260,9 @@ class FakeUpstream(_Listener):
             return reply(200 if key in self.store else 400)
         if command == Command.LIST:
             return reply(200, encode_key_lines(self.store))
-        return reply(Status.FAIL) if self.mode == "fail" else False
+        if command == Command.DELETE and self.mode == "delete":
+            return reply(Status.SUCCESS if self.store.pop(key, None) is not None else Status.NOT_FOUND)
+        return reply(Status.FAIL) if self.mode in ("fail", "delete") else False
 
 
 class DropFirstRelay(_Listener):

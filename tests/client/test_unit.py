@@ -47,8 +47,9 @@ def test_retry_policy() -> None:
     assert policy.delay(lmclient.ConnectError("refused"), 0) is not None
     assert policy.delay(lmclient.ReadError("eof"), 1) is not None
     assert policy.delay(lmclient.ReadError("eof"), 2) is None  # budget spent
-    assert policy.delay(lmclient.ConnectTimeout("slow"), 0) is not None
+    assert policy.delay(lmclient.ConnectTimeout("slow"), 0) is None  # timeouts: only on_timeout
     assert policy.delay(lmclient.ReadTimeout("slow"), 0) is None
+    assert Retry(on_timeout=True).delay(lmclient.ConnectTimeout("slow"), 0) is not None
     assert policy.delay(lmclient.ProtocolError("garbage"), 0) is None
     assert Retry(on_timeout=True).delay(lmclient.WriteTimeout("slow"), 0) is not None
     for bad in ({"retries": -1}, {"base": 0}, {"base": 3.0, "cap": 1.0}):
@@ -58,12 +59,15 @@ def test_retry_policy() -> None:
 
 def test_timeout_config() -> None:
     t = Timeout(10, connect=2)
-    assert (t.connect, t.read, t.write, t.pool) == (2, 10, 10, 10)
+    assert (t.connect, t.read, t.write, t.pool, t.total) == (2, 10, 10, 10, 10)
+    assert Timeout(10, total=3).total == 3 and Timeout(10, total=3) != t
     assert Timeout(1.5) == Timeout(1.5, read=1.5) != Timeout(1.5, read=2)
     with pytest.raises(lmclient.InvalidRequest):
         Timeout(0)
     with pytest.raises(lmclient.InvalidRequest):
         Timeout(1, read=-1)
+    with pytest.raises(lmclient.InvalidRequest):
+        Timeout(1, total=0)
 
 
 @pytest.mark.parametrize("cls", [Client, AsyncClient])

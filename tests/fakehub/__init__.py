@@ -1,14 +1,14 @@
-"""A local fake of the Hugging Face Hub's Buckets API, for driving the real ``HfApi`` and
-``hf_xet`` offline (test infrastructure, not product code).
+"""A local fake of the Hugging Face Hub's Buckets API and of its Xet storage service, for
+driving the real ``HfApi`` and ``hf_xet`` offline (test infrastructure, not product code).
 
-Strategy (see shared/reference/hfbucket.md §3): the Hub's JSON routes are small and are
-served here from a stdlib ``http.server``; the Xet CAS protocol is not, so the xet token
-routes hand out ``casUrl: local:///DIR``, which makes hf_xet use its built-in local CAS
-client (xorbs and shards on disk). ``addFile`` carries no size, so the size of an added file
-is read from the MDB shard hf_xet wrote. Faults are injected per route (status, headers,
-count), batch ops can be rejected (listed as failed, as the Hub does) or silently dropped
-(what huggingface_hub 1.5-1.32 let through unnoticed), and every request is recorded so a
-test can check the routes the real client sends are the ones served here.
+The Hub's JSON routes are served here from a stdlib ``http.server``; its storage service (the
+Xet CAS protocol: xorbs, shards, reconstructions, token refresh) is served on the same port
+under ``/cas`` by ``fakehub.cas``, over HTTP as the real Hub's is, so any number of processes
+share one bucket. ``addFile`` carries no size: the size of an added file comes from the shard
+hf_xet uploaded for it. Faults are injected per route (status, headers, count), batch ops can
+be rejected (listed as failed, as the Hub does) or silently dropped (what huggingface_hub
+1.5-1.32 let through unnoticed), and every request is recorded so a test can check the routes
+the real client sends are the ones served here.
 """
 
 from __future__ import annotations
@@ -20,13 +20,14 @@ import json
 import pathlib
 import re
 import socket
-import struct
 import threading
 import time
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from . import cas
 
 TOKEN = "hf_fake_test_token"
 EMPTY_HASH = "0" * 64
@@ -42,6 +43,8 @@ ROUTES: dict[str, tuple[str, re.Pattern[str]]] = {
     "resolve": ("HEAD", re.compile(r"^/buckets/(?P<id>[^/]+/[^/]+)/resolve/(?P<path>.+)$")),
 }
 PAGE_SIZE = 1000
+CAS_PREFIX = "/cas"  # the storage service's routes (``fakehub.cas``) live under it
+PRESIGNED = ("cas-fetch", "cas-grant-upload")
 
 
 def _iso(ts: float) -> str:
@@ -74,40 +77,25 @@ class Fault:
     headers: dict[str, str]
 
 
-def _hash_bytes(xet_hash: str) -> bytes:
-    """The 32 raw bytes a shard stores for a hash: each 8-byte word is printed big-endian
-    in the hex form and stored little-endian."""
-    return b"".join(int(xet_hash[i : i + 16], 16).to_bytes(8, "little") for i in range(0, 64, 16))
-
-
-def shard_file_size(cas_dir: pathlib.Path, xet_hash: str) -> int | None:
-    """Size of the file ``xet_hash`` from the MDB shards hf_xet wrote into the local CAS.
-
-    File records are 48-byte aligned: hash (32), flags u32, n_entries u32, 8 unused; then
-    n entries of 48 bytes whose u32 at offset 36 is the segment's unpacked length.
-    """
-    needle = _hash_bytes(xet_hash)
-    for shard in cas_dir.rglob("*.mdb"):
-        data = shard.read_bytes()
-        at = data.find(needle)
-        while at >= 0:
-            if at % 48 == 0 and at + 40 <= len(data):
-                (n,) = struct.unpack_from("<I", data, at + 36)
-                end = at + 48 + 48 * n
-                if 0 < n < 1_000_000 and end <= len(data):
-                    return sum(struct.unpack_from("<I", data, at + 48 + 48 * k + 36)[0] for k in range(n))
-            at = data.find(needle, at + 1)
-    return None
-
-
 class FakeHub:
     """Start with ``hub.start()`` (or as a context manager); ``hub.endpoint`` is the URL."""
 
-    def __init__(self, root: pathlib.Path, *, token: str | None = TOKEN) -> None:
+    def __init__(
+        self,
+        root: pathlib.Path,
+        *,
+        token: str | None = TOKEN,
+        host: str = "127.0.0.1",
+        xet_token_ttl_s: float = 3600.0,
+    ) -> None:
+        """``host``: the address to listen on (the storage URL handed to clients is the
+        address they reached the Hub at). ``xet_token_ttl_s``: lifetime of the storage
+        tokens the Hub hands out; hf_xet fetches a new one from 30 s before expiry, so a
+        value a little over 30 makes every client refresh its token within seconds."""
         self.root = root
-        self.cas_dir = root / "cas"
-        self.cas_dir.mkdir(parents=True, exist_ok=True)
+        self.cas = cas.CasStore(root / "cas", token_ttl_s=xet_token_ttl_s)
         self.token = token
+        self.host = host
         self.lock = threading.Lock()
         self.buckets: dict[str, dict[str, FileRec]] = {}
         self.faults: list[Fault] = []
@@ -116,6 +104,9 @@ class FakeHub:
         self.requests: list[tuple[str, str]] = []  # (route name or "?", raw path)
         self.delays: dict[str, float] = {}  # route name -> seconds before answering
         self.fail_after_batch = 0  # apply the next N batches, then answer 500 anyway
+        # A storage service of the previous generation: no upload grants, no /v2 routes
+        # (404), so hf_xet takes its documented fallbacks (/v1/xorbs, /v1/shards, /v1 reads).
+        self.legacy_storage = False
         self._conns: set[socket.socket] = set()
         self._server: http.server.ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -125,7 +116,7 @@ class FakeHub:
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def start(self) -> FakeHub:
         hub = self
@@ -133,7 +124,7 @@ class FakeHub:
         class Handler(_Handler):
             owner = hub
 
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self._server = http.server.ThreadingHTTPServer((self.host, self.port), Handler)
         self._server.daemon_threads = True
         self.port = self._server.server_port
         self._thread = threading.Thread(target=self._server.serve_forever, name="fakehub", daemon=True)
@@ -168,7 +159,7 @@ class FakeHub:
             self.buckets.setdefault(bucket_id, {})
 
     def fail(self, route: str, status: int, times: int = 1, headers: dict[str, str] | None = None) -> None:
-        assert route in ROUTES, route
+        assert route in ROUTES or route in cas.CAS_ROUTES, route
         with self.lock:
             self.faults.append(Fault(route, status, times, headers or {}))
 
@@ -228,6 +219,17 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _not_found(self, what: str) -> None:
         self._reply(404, {"error": f"{what} not found"}, {"X-Error-Code": "RepoNotFound"})
 
+    def _route(self, path: str) -> tuple[str, re.Match[str]] | None:
+        if path.startswith(CAS_PREFIX + "/"):
+            table, path = cas.CAS_ROUTES, path[len(CAS_PREFIX) :]
+        else:
+            table = ROUTES
+        for name, (method, pattern) in table.items():
+            match = pattern.match(path)
+            if match and method == self.command:
+                return name, match
+        return None
+
     def _dispatch(self) -> None:
         hub = self.owner
         # Read the body before replying, whatever the reply: an unread body breaks keep-alive.
@@ -235,16 +237,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         body = self.rfile.read(length) if length else b""
         url = urllib.parse.urlsplit(self.path)
         path = url.path
-        for route, (method, pattern) in ROUTES.items():
-            match = pattern.match(path)
-            if match and method == self.command:
-                name = route
-                break
-        else:
+        found = self._route(path)
+        if found is None:
             with hub.lock:
                 hub.requests.append(("?", f"{self.command} {path}"))
             self._reply(404, {"error": f"no route for {self.command} {path}"})
             return
+        name, match = found
         with hub.lock:
             hub.requests.append((name, f"{self.command} {path}"))
         delay = hub.delays.get(name, 0.0)
@@ -254,13 +253,31 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if fault is not None:
             self._reply(fault.status, {"error": f"injected {fault.status}"}, fault.headers)
             return
+        groups = match.groupdict()
+        handler = getattr(self, "_r_" + name.replace("-", "_"))
+        if name in cas.CAS_ROUTES:
+            if hub.legacy_storage and (name in cas.GRANT_ROUTES or groups.get("version") == "2"):
+                self._reply(404, {"error": "not offered by this storage service"})
+                return
+            # Storage requests carry the xet token the Hub handed out; fetch and grant upload
+            # URLs stand for presigned ones (the client sends them no credentials).
+            if name not in PRESIGNED and not hub.cas.token_valid(self.headers.get("Authorization")):
+                self._reply(401, {"error": "invalid or expired xet token"})
+                return
+            try:
+                handler(groups, body)
+            except KeyError as exc:
+                self._reply(404, {"error": f"not found: {exc}"})
+            except cas.RangeNotSatisfiable as exc:
+                self._reply(416, {"error": str(exc)})
+            except ValueError as exc:  # cas.FormatError, or a request body that is not JSON
+                self._reply(400, {"error": str(exc)})
+            return
         if hub.token is not None and self.headers.get("Authorization") != f"Bearer {hub.token}":
             self._reply(401, {"error": "Invalid credentials"})
             return
-        groups = match.groupdict()
-        bucket_id = groups["id"]
         query = urllib.parse.parse_qs(url.query)
-        getattr(self, "_r_" + name.replace("-", "_"))(bucket_id, groups, body, query)
+        handler(groups["id"], groups, body, query)
 
     def _serve(self) -> None:
         try:
@@ -268,7 +285,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):  # the client gave up (a timeout)
             self.close_connection = True
 
-    do_GET = do_POST = do_HEAD = _serve
+    do_GET = do_POST = do_HEAD = do_PUT = _serve
 
     # -- routes ----------------------------------------------------------------------------
 
@@ -360,7 +377,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     files.pop(path, None)
                 elif op["type"] == "addFile":
                     xet_hash = op["xetHash"]
-                    size = 0 if xet_hash == EMPTY_HASH else shard_file_size(hub.cas_dir, xet_hash)
+                    size = 0 if xet_hash == EMPTY_HASH else hub.cas.file_size(xet_hash)
                     if size is None:
                         failed.append({"path": path, "error": "unknown xet hash"})
                         continue
@@ -380,14 +397,73 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         with self.owner.lock:
             if self._bucket(bucket_id) is None:
                 return
-        exp = int(time.time()) + 3600
-        cas = f"local://{self.owner.cas_dir}"
+        token, exp = self.owner.cas.issue_token()
+        # The storage URL is the address this client reached the Hub at: it works from
+        # wherever the client is (loopback, or another network namespace).
+        cas_url = f"http://{self.headers.get('Host') or f'{self.owner.host}:{self.owner.port}'}{CAS_PREFIX}"
         headers = {
-            "X-Xet-Cas-Url": cas,
-            "X-Xet-Access-Token": "xet-token",
+            "X-Xet-Cas-Url": cas_url,
+            "X-Xet-Access-Token": token,
             "X-Xet-Token-Expiration": str(exp),
         }
-        self._reply(200, {"accessToken": "xet-token", "exp": exp, "casUrl": cas}, headers)
+        self._reply(200, {"accessToken": token, "exp": exp, "casUrl": cas_url}, headers)
+
+    # -- the storage service (fakehub.cas) ---------------------------------------------------
+
+    def _reply_bytes(self, status: int, data: bytes, content_type: str = "application/octet-stream") -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _cas_base(self) -> str:
+        return f"http://{self.headers.get('Host')}{CAS_PREFIX}"
+
+    # Handlers raise what the store raises; _dispatch answers it: KeyError 404 (no such
+    # file, xorb or grant), RangeNotSatisfiable 416, FormatError (and a bad body) 400.
+
+    def _r_cas_xorb_grant(self, groups: dict[str, str], body: bytes) -> None:
+        # The real service hands out a presigned upload URL; 200 says the xorb exists.
+        grant = self.owner.cas.grant(groups["hash"], int(json.loads(body)["length"]))
+        if grant is None:
+            self._reply(200, {})
+            return
+        url = f"{self._cas_base()}/grant-uploads/{grant}"
+        self._reply(201, {"id": grant, "method": "PUT", "url": url, "headers": {}})
+
+    def _r_cas_grant_upload(self, groups: dict[str, str], body: bytes) -> None:
+        status = self.owner.cas.upload_to_grant(groups["grant"], body)
+        self._reply(status, {} if status == 200 else {"error": f"grant upload refused ({status})"})
+
+    def _r_cas_xorb_commit(self, groups: dict[str, str], body: bytes) -> None:
+        if not self.owner.cas.commit_grant(groups["hash"], groups["grant"]):
+            raise KeyError("no data was uploaded for this grant")
+        self._reply(200, {"was_inserted": True})
+
+    def _r_cas_xorb(self, groups: dict[str, str], body: bytes) -> None:
+        self._reply(200, {"was_inserted": self.owner.cas.put_xorb(groups["hash"], body)})
+
+    def _r_cas_shard(self, groups: dict[str, str], body: bytes) -> None:
+        self.owner.cas.put_shard(body)
+        if groups["version"] == "2":
+            self._reply_bytes(200, cas.SHARD_V2_EVENTS, "application/x-ndjson")
+        else:
+            self._reply(200, {"result": 1})  # SyncPerformed
+
+    def _r_cas_dedup(self, groups: dict[str, str], body: bytes) -> None:
+        raise KeyError("no global dedup shard")
+
+    def _r_cas_reconstruction(self, groups: dict[str, str], body: bytes) -> None:
+        first, last = cas.parse_range(self.headers.get("Range")) or (None, None)
+        v1 = self.owner.cas.reconstruction(groups["hash"], first, last, self._cas_base())
+        self._reply(200, cas.as_v2(v1) if groups["version"] == "2" else v1)
+
+    def _r_cas_fetch(self, groups: dict[str, str], body: bytes) -> None:
+        first, last = cas.parse_range(self.headers.get("Range")) or (0, None)
+        if last is None:
+            raise cas.RangeNotSatisfiable("a fetch names its byte range")
+        self._reply_bytes(206, self.owner.cas.read_xorb(groups["hash"], first, last))
 
     def _r_resolve(self, bucket_id: str, groups: dict[str, str], body: bytes, query: Any) -> None:
         path = urllib.parse.unquote(groups["path"])

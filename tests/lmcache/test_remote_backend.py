@@ -89,6 +89,7 @@ def test_server_killed_and_restarted_mid_run(engines: Any, spawn_server: Any) ->
     engine.store(keys[16:20], [engine.chunk(i) for i in range(16, 20)])
     assert engine.run(engine.connector.ping()) == 1
     assert engine.connector.client.counters["server_down"] >= 1
+    assert engine.connector.errors["unavailable"] >= 4 + 4  # each GET and PUT above, at least
 
     server.restart()  # an empty server on the same port: the plugin reconnects after backoff
 

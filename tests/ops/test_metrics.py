@@ -175,7 +175,7 @@ def test_disk_tier_and_write_behind_metrics(
     assert value(samples, "lmserver_tier_queue_bytes", tier="disk") == 0
     assert value(samples, "lmserver_tier_healthy", tier="disk") == 1
     assert value(samples, "lmserver_tier_writes_total", tier="disk") == 1
-    assert value(samples, "lmserver_chain_pinned_bytes") == 0
+    assert value(samples, "lmserver_chain_dirty_bytes") == 0
     assert value(samples, "lmserver_request_duration_seconds_count", command="put_ack") == 1
 
 

@@ -68,8 +68,11 @@ def drain(decoder: RequestDecoder | ReplyDecoder) -> list[tuple[Any, bytes]]:
 def body_meaning(vector: dict[str, Any], header: Request | Reply, body: bytes) -> dict[str, Any] | None:
     """Decode a body the way its command defines it (None for opaque bodies)."""
     if isinstance(header, Request):
-        if header.command == Command.EXIST_MANY:
+        if header.command in (Command.EXIST_MANY, Command.DELETE_MANY):
             return {"keys": lmproto.decode_key_list(body)}
+        if header.command == Command.LIST_PAGE:
+            limit, after = lmproto.decode_page_request(body)
+            return {"limit": limit, "after": after}
         return None
     answered = vector.get("in_reply_to")
     if not header.ok:
@@ -81,6 +84,11 @@ def body_meaning(vector: dict[str, Any], header: Request | Reply, body: bytes) -
     if answered == "EXIST_MANY":
         presence = lmproto.decode_presence(body)
         return {"presence": presence, "hit_prefix": lmproto.hit_prefix(presence)}
+    if answered == "DELETE_MANY":
+        return {"deleted": lmproto.decode_presence(body)}
+    if answered == "LIST_PAGE":
+        entries, more = lmproto.decode_page(body)
+        return {"entries": [list(entry) for entry in entries], "more": more}
     if answered == "STATS":
         return {"json": lmproto.decode_json(body)}
     return None
@@ -94,6 +102,12 @@ def encode_body(vector: dict[str, Any], meaning: dict[str, Any]) -> bytes:
         return lmproto.encode_key_lines(meaning["keys"])
     if "presence" in meaning:
         return lmproto.encode_presence(meaning["presence"])
+    if "deleted" in meaning:
+        return lmproto.encode_presence(meaning["deleted"])
+    if "limit" in meaning:
+        return lmproto.encode_page_request(meaning["limit"], meaning["after"])
+    if "entries" in meaning:
+        return lmproto.encode_page([tuple(entry) for entry in meaning["entries"]], meaning["more"])
     if "json" in meaning:
         return lmproto.encode_json(meaning["json"])
     if "reason" in meaning:

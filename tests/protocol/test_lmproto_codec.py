@@ -63,6 +63,8 @@ def test_enumerations() -> None:
         ("DELETE", 102),
         ("EXIST_MANY", 103),
         ("STATS", 104),
+        ("DELETE_MANY", 105),
+        ("LIST_PAGE", 106),
     ]
     assert [int(s) for s in Status] == [200, 400, 404, 413, 503, 507]
     assert [int(f) for f in lmproto.MemoryFormat] == list(range(9))
@@ -427,3 +429,24 @@ def test_error_text_is_cut_at_a_character_boundary() -> None:
     assert len(body) <= lmproto.MAX_REASON_BODY
     assert body.decode("utf-8") == "x" + "€" * 341
     assert lmproto.decode_error_text(b"bad \xff") == "bad \ufffd"
+
+
+def test_page_bodies_round_trip_and_refuse_what_cannot_be_sent() -> None:
+    entries = [("a", 0), ("ключ", 7), ("k" * 150, lmproto.UNKNOWN_SIZE)]
+    assert lmproto.decode_page(lmproto.encode_page(entries, True)) == (entries, True)
+    assert lmproto.decode_page(lmproto.encode_page([], False)) == ([], False)
+    assert lmproto.decode_page_request(lmproto.encode_page_request(1)) == (1, "")
+    assert lmproto.decode_page_request(lmproto.encode_page_request(2**32 - 1, "é" * 75)) == (
+        2**32 - 1,
+        "é" * 75,
+    )
+    for limit in (0, 2**32):
+        with pytest.raises(lmproto.LocalProtocolError):
+            lmproto.encode_page_request(limit)
+    with pytest.raises(lmproto.LocalProtocolError):
+        lmproto.encode_page_request(5, "x" * 151)
+    with pytest.raises(lmproto.LocalProtocolError):
+        lmproto.encode_page([("", 1)], False)
+    for bad in (b"", b"\x02", b"\x00\x01a\x00"):
+        with pytest.raises(lmproto.MalformedBody):
+            lmproto.decode_page(bad)

@@ -94,6 +94,32 @@ def test_the_hub_going_away_leaves_the_server_serving(
         wait_for(lambda: hf_stats(w)["is_healthy"] is True, "healthy again")
 
 
+def test_a_write_behind_bucket_keeps_a_burst_larger_than_memory(
+    fake_hub: FakeHub, make_server_thread, monkeypatch
+) -> None:
+    """40 plain PUTs of 1 MiB through 32 MiB of memory into a write-behind bucket (full=wait,
+    the default with that mode): the connection waits for the bucket instead of anything
+    being skipped or dropped; a fresh server serves all 40 from the bucket."""
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    spec = f"hf://buckets/{BUCKET}/burst?endpoint={fake_hub.endpoint}&mode=write-behind&window=0.01"
+    server = make_server_thread(memory_limit=32 * MiB, tiers=(spec,), put_wait_timeout=60.0)
+    keys = [f"burst{i}" for i in range(40)]
+    body = bytes(range(256)) * 4096  # 1 MiB
+    with Wire(server.host, server.port, Generation.V1) as w:
+        w.send_raw(b"".join(w.frame(Command.PUT, k, body, META) for k in keys))
+        reply, got = w.call(Command.GET, keys[-1])
+        assert reply.status == 200 and got == body
+        wait_for(lambda: hf_stats(w)["objects"] == len(keys), "every object in the bucket", 120)
+        reply, raw = w.call(Command.STATS)
+        st = decode_json(raw)
+        assert st["tiers"][0]["demotions_dropped"] == 0 and hf_stats(w)["skipped_writes"] == 0
+    fresh = make_server_thread(memory_limit=32 * MiB, tiers=(spec,))
+    with Wire(fresh.host, fresh.port, Generation.V1) as w:
+        for key in keys:
+            reply, got = w.call(Command.GET, key)
+            assert reply.status == 200 and got == body, key
+
+
 @pytest.mark.parametrize(
     ("bucket", "token", "said"),
     [("lmtest/missing", TOKEN, "not found"), (BUCKET, "hf_refused_token", "refused the token")],

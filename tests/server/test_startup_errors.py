@@ -105,11 +105,6 @@ def test_tier_options_have_bounds(tmp_path: Path, spec: str) -> None:
     assert "--tier" in the_error(run_lmserver("--tier", spec.format(tmp=tmp_path / "d")))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DiskTier.from_spec must read capacity with spec.size('capacity', ..., minimum=1), "
-    "as --disk-limit 0 is refused (the disk tier's owner makes that change)",
-)
 def test_a_disk_tier_of_no_capacity_is_refused_like_disk_limit_0(tmp_path: Path) -> None:
     assert "--disk-limit" in the_error(run_lmserver("--disk", str(tmp_path / "a"), "--disk-limit", "0"))
     assert "capacity" in the_error(run_lmserver("--tier", f"disk:{tmp_path / 'b'}?capacity=0"))

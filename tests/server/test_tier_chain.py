@@ -53,9 +53,9 @@ def dict_kind() -> Iterator[None]:
 
 
 def test_gets_on_a_put_stream_never_wait_for_a_stalled_tier(make_server_thread) -> None:
-    # The only tier behind memory accepts no write until the gate opens: a tier slower than
+    # The only tier behind memory (full=skip) accepts no write until the gate opens: slower than
     # any disk. GETs interleaved with a PUT stream on one socket are all answered meanwhile.
-    gated = "dict:?gated=true&mode=write-behind&queue=1MiB"
+    gated = "dict:?gated=true&mode=write-behind&queue=1MiB&full=skip"
     server = make_server_thread(memory_limit=64 * MiB, tiers=(gated,))
     keys = [f"k{i}" for i in range(200)]
     with Wire(server.host, server.port, Generation.V1) as w:

@@ -34,6 +34,7 @@ class Options:
     timeout_s: float = 60.0
     learn_keys: bool = True
     read_piece: int = 1 << 20
+    probe: bool = True
 
 
 def _fraction(spec: TierSpec, name: str, default: float) -> float:
@@ -86,6 +87,7 @@ def config_from_spec(spec: TierSpec) -> Config:
         timeout_s=spec.seconds("timeout", 60.0, minimum=1.0),
         learn_keys=spec.flag("learn_keys", True),
         read_piece=max(64 << 10, spec.size("read_piece", 1 << 20)),
+        probe=spec.flag("probe", True),
     )
     name = spec.string("name", "hf")
     return Config(handle, token, endpoint, options, name)

@@ -7,7 +7,10 @@ Strategy:
   object's header (our own writes know it; objects another instance wrote are read back
   lazily: a header range at most 4 KiB). ``open()`` lists the bucket (progress logged) so
   usage and eviction start exact; a refresh thread re-lists every ``refresh`` seconds, adding
-  what other instances wrote and dropping what they deleted. ``contains`` never waits.
+  what other instances wrote and dropping what they deleted. ``contains`` never waits. With
+  ``probe`` (the default) a GET that misses the index asks the bucket (one paths-info call,
+  bounded by ``probing.ProbeGate``), so it finds what another instance wrote since the
+  last listing.
 * **Writes.** ``put`` books the bytes (evicting LRU objects if over capacity), writes header
   + body to a spool file in ``cache_dir`` on a worker thread (the one copy; the caller's
   buffer is free once that returns), and queues an add; the batcher commits many adds and
@@ -53,6 +56,7 @@ from ...logs import ThrottledWarnings
 from .. import _diskfile
 from ..base import COMMON_COUNTERS, Alloc, ConfigError, Tier, TierError, TierUsage, Victim
 from ..lru_index import LRUIndex
+from ..probing import ProbeGate
 from ..threaded import TierClosed, Workers
 from .batcher import Batcher
 from .errors import HubError
@@ -87,6 +91,9 @@ _COUNTERS = (
     "learned_from_bucket",
     "removed_by_others",
     "failures",
+    "probes",
+    "probe_hits",
+    "probes_skipped",
 )
 
 
@@ -166,6 +173,7 @@ class HFBucketTier(Tier):
         self._listed = False
         self._warnings = ThrottledWarnings(log, 10.0)
         self._workers = Workers(options.workers, "hf")
+        self._probes = ProbeGate()
         self._client: HubClient | None = None
         self._batcher: Batcher[_Job] | None = None
         self._stop = threading.Event()
@@ -281,6 +289,9 @@ class HFBucketTier(Tier):
     def contains(self, key: str) -> bool:
         return object_name(key) in self._index
 
+    def may_hold(self, key: str) -> bool:
+        return self.opts.probe or self.contains(key)
+
     def keys(self, prefix: str = "") -> list[str]:
         with self._index.lock:
             records = list(self._index.records.values())
@@ -358,6 +369,8 @@ class HFBucketTier(Tier):
             return None
         name = object_name(key)
         record = self._index.get(name)
+        if record is None and self.opts.probe and self._usable():
+            record = await self._probe(name)
         if record is None:
             self._count("misses")
             return None
@@ -574,6 +587,42 @@ class HFBucketTier(Tier):
             self._discard(name, record)
 
     # -- reads: the worker side ------------------------------------------------------------
+
+    async def _probe(self, name: str) -> _Obj | None:
+        """Look in the bucket for an object another server wrote since the last listing."""
+        if not self._probes.enter():
+            self._count("probes_skipped")
+            return None
+        try:
+            return await self._workers.run(self._probe_sync, name)
+        except TierClosed:
+            return None
+        finally:
+            self._probes.leave()
+
+    def _probe_sync(self, name: str) -> _Obj | None:
+        client = self._client
+        assert client is not None
+        with self._mu:  # a name this server is writing or deleting is its own to settle
+            if name in self._writing or name in self._doomed_names:
+                return None
+            self._counters["probes"] += 1
+        path = self.handle.path_of(name)
+        try:
+            info = client.paths_info([path]).get(path)
+        except HubError as exc:
+            self._probes.failed()
+            self._failed(exc, "hf tier: probe failed; served as a miss")
+            return None
+        if info is None:
+            return None
+        record = _Obj(info.size, info.xet_hash, committed=time.monotonic())
+        if self._index.adopt(name, record) is not record:
+            return self._index.get(name)  # indexed meanwhile (a listing, a write)
+        self._evicted(self._index.overflow())
+        self._watermark()
+        self._count("probe_hits")
+        return record
 
     def _info(self, name: str, record: _Obj) -> FileInfo:
         from .client import FileInfo

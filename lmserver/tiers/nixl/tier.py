@@ -24,8 +24,10 @@ Strategy:
 * **Shared storage** (``shared=true``, dynamic layout): several servers use one directory
   or bucket. Each indexes what it wrote, learns what others wrote from a listing every
   ``refresh`` seconds, and (``probe=true``) looks in the backend when a GET misses the
-  index. EXIST answers from the index only, so it may say no for an object written
-  elsewhere less than ``refresh`` seconds ago (``complete_index`` is False).
+  index (``may_hold``: the Store asks this tier on every GET that missed the tiers in
+  front; ``probing.ProbeGate`` bounds the look-ups). EXIST answers from the index only, so
+  it may say no for an object written elsewhere less than ``refresh`` seconds ago
+  (``complete_index`` is False).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from ...logs import ThrottledWarnings
 from .. import _diskfile
 from ..base import COMMON_COUNTERS, Alloc, Tier, TierError, TierUsage, Victim
 from ..lru_index import LRUIndex
+from ..probing import ProbeGate
 from ..spec import TierSpec
 from ..threaded import TierClosed, Workers
 from ._agent import Agent, TransferTimeout, check_gds, load_api
@@ -74,6 +77,7 @@ _COUNTERS = (
     "refreshed_out",
     "probes",
     "probe_hits",
+    "probes_skipped",
 )
 
 
@@ -152,6 +156,7 @@ class NixlTier(Tier):
         self._stripes = [threading.Lock() for _ in range(_STRIPES)]
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._declined: collections.OrderedDict[str, int] = collections.OrderedDict()  # key: size
+        self._probes = ProbeGate()
         self._healthy = True
         self._warnings = ThrottledWarnings(log, _WARN_INTERVAL_S)
         self._refresher: asyncio.Task[None] | None = None
@@ -301,6 +306,9 @@ class NixlTier(Tier):
 
     def contains(self, key: str) -> bool:
         return key in self._index
+
+    def may_hold(self, key: str) -> bool:
+        return self.opts.probe or key in self._index
 
     def keys(self, prefix: str = "") -> Iterable[str]:
         return self._index.keys(prefix)
@@ -632,11 +640,21 @@ class NixlTier(Tier):
     # -- shared storage: probe and refresh -----------------------------------------------------
 
     async def _probe(self, key: str) -> _Rec | None:
+        """Look in the backend for a key another server wrote since the last refresh."""
         assert self._meta is not None
+        if not self._probes.enter():
+            self._count("probes_skipped")
+            return None
         try:
             return await asyncio.wait_for(self._meta.run(self._probe_sync, key), self.opts.timeout)
-        except (TimeoutError, TierClosed):
+        except TimeoutError:
+            self._probes.failed()
+            self._failed("timeouts", "nixl tier: a probe timed out; served as a miss", key=key)
             return None
+        except TierClosed:
+            return None
+        finally:
+            self._probes.leave()
 
     def _probe_sync(self, key: str) -> _Rec | None:
         self._count("probes")
@@ -644,6 +662,7 @@ class NixlTier(Tier):
         try:
             got = self._store.probe(name)
         except (TierError, OSError) as exc:
+            self._probes.failed()
             self._failed("errors", "nixl tier: probe failed", error=str(exc))
             return None
         if got is None:
@@ -652,11 +671,9 @@ class NixlTier(Tier):
         if found is None or found[0] != key:
             return None
         rec = found[1]
-        with self._index.lock:
-            current = self._index.records.get(key)
-        if current is not None:
-            return current
-        self._index.load(key, rec)
+        current = self._index.adopt(key, rec)
+        if current is not rec:
+            return current  # indexed meanwhile (a listing, a write)
         self._evict(self._index.overflow())
         self._count("probe_hits")
         return rec

@@ -1,16 +1,17 @@
-"""The DiskTier's persisted index: SQLite (WAL mode), owned by one writer thread.
+"""The disk tier's persisted index: SQLite (WAL mode), owned by one writer thread.
 
-Strategy: the object files are the truth (they are self-describing), the in-memory index
-answers every lookup, and SQLite only makes a restart fast: it holds one row per object
-(key, file name, sizes, checksum, v1 metadata, recency) so ``open()`` loads the whole index
-in LRU order with one query instead of reading every file's header.
+Strategy: the segments are the truth (every record is self-describing), the in-memory index
+answers every lookup, and SQLite only makes a restart fast: one row per object (key, where
+its record lies, sizes, checksum, v1 metadata, recency), so ``open()`` loads the whole index
+in LRU order with one query and reads no record.
 
 Writes never wait for SQLite. The tier queues small operations (upsert, delete, recency
-updates) and one dedicated thread, the only user of the connection once the tier is open,
-runs everything queued so far in one transaction: a burst of puts costs one commit.
-``synchronous=NORMAL`` is enough because a lost tail of the index is repaired from the
-files: the ``clean`` flag in the ``meta`` table is set only by an orderly close, and an
-open that finds it unset reconciles the index with the files on disk.
+updates, segment watermarks) and one dedicated thread, the only user of the connection once
+the tier is open, runs everything queued so far in one transaction: a burst of puts costs
+one commit. ``synchronous=NORMAL`` is enough because a lost tail of the index is found again
+in the segments: the ``clean`` flag in ``meta`` is set only by an orderly close, and an open
+that finds it unset reads each segment's records above its persisted *watermark* (below it,
+every record placed was indexed or removed).
 """
 
 from __future__ import annotations
@@ -19,29 +20,36 @@ import concurrent.futures
 import contextlib
 import sqlite3
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import structlog
 
+from ...logs import ThrottledWarnings
+
 log = structlog.get_logger(__name__)
 
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "2"
+"""2: records in segments (``segment``, ``offset``); 1 was one file per object."""
 
 GROWTH_ROOM = 5 << 20
 """Free space the index needs beyond its current files: the WAL grows to ~4 MiB (SQLite's
 default autocheckpoint, 1000 pages) before it is reused, plus the shared-memory file that
 an open creates. The disk tier leaves this much free when its filesystem fills up."""
 
-Row = tuple[str, str, int, int, int, int, int, int, int, int, int, int, int, int]
-"""key, file, size, header_len, body_len, crc, fmt, dtype, s0, s1, s2, s3, location, recency."""
+Row = tuple[str, int, int, int, int, int, int, int, int, int, int, int, int, int, int]
+"""key, segment, offset, size, header_len, body_len, crc, fmt, dtype, s0, s1, s2, s3,
+location, recency."""
 
 Op = Callable[[sqlite3.Connection], object]
 
-_COLUMNS = "key, file, size, header_len, body_len, crc, fmt, dtype, s0, s1, s2, s3, location, recency"
-_UPSERT = f"INSERT OR REPLACE INTO objects ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)"
+_COLUMNS = (
+    "key, segment, offset, size, header_len, body_len, crc, fmt, dtype, s0, s1, s2, s3, location, recency"
+)
+_UPSERT = f"INSERT OR REPLACE INTO objects ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)"
 _TOUCH = "UPDATE objects SET recency = ? WHERE key = ? AND recency < ?"
+_DELETE = "DELETE FROM objects WHERE key = ?"
+_SAFE = "INSERT OR REPLACE INTO segments (id, safe) VALUES (?, ?)"
 
 
 def connect(path: Path) -> sqlite3.Connection:
@@ -50,15 +58,21 @@ def connect(path: Path) -> sqlite3.Connection:
     try:
         conn.execute("PRAGMA journal_mode=WAL").fetchone()
         conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute("CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY NOT NULL, v TEXT NOT NULL)")
+        schema = get_meta(conn, "schema")
+        if schema not in (None, SCHEMA_VERSION):
+            return conn  # the caller sees the schema and rebuilds
         conn.execute(
             "CREATE TABLE IF NOT EXISTS objects ("
-            " key TEXT PRIMARY KEY NOT NULL, file TEXT NOT NULL, size INTEGER NOT NULL,"
-            " header_len INTEGER NOT NULL, body_len INTEGER NOT NULL, crc INTEGER NOT NULL,"
-            " fmt INTEGER NOT NULL, dtype INTEGER NOT NULL, s0 INTEGER NOT NULL, s1 INTEGER NOT NULL,"
-            " s2 INTEGER NOT NULL, s3 INTEGER NOT NULL, location INTEGER NOT NULL,"
+            " key TEXT PRIMARY KEY NOT NULL, segment INTEGER NOT NULL, offset INTEGER NOT NULL,"
+            " size INTEGER NOT NULL, header_len INTEGER NOT NULL, body_len INTEGER NOT NULL,"
+            " crc INTEGER NOT NULL, fmt INTEGER NOT NULL, dtype INTEGER NOT NULL, s0 INTEGER NOT NULL,"
+            " s1 INTEGER NOT NULL, s2 INTEGER NOT NULL, s3 INTEGER NOT NULL, location INTEGER NOT NULL,"
             " recency INTEGER NOT NULL)"
         )
-        conn.execute("CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY NOT NULL, v TEXT NOT NULL)")
+        conn.execute(
+            "CREATE TABLE IF NOT EXISTS segments (id INTEGER PRIMARY KEY NOT NULL, safe INTEGER NOT NULL)"
+        )
     except BaseException:
         conn.close()
         raise
@@ -88,10 +102,25 @@ def load_rows(conn: sqlite3.Connection) -> Iterator[Row]:
     return conn.execute(f"SELECT {_COLUMNS} FROM objects ORDER BY recency")
 
 
-def apply_changes(conn: sqlite3.Connection, *, deletes: Iterable[str] = (), rows: Iterable[Row] = ()) -> None:
+def load_watermarks(conn: sqlite3.Connection) -> dict[int, int]:
+    return {int(i): int(safe) for i, safe in conn.execute("SELECT id, safe FROM segments")}
+
+
+def apply_changes(
+    conn: sqlite3.Connection,
+    *,
+    deletes: Iterable[str] = (),
+    rows: Iterable[Row] = (),
+    watermarks: dict[int, int] | None = None,
+) -> None:
+    """One transaction (used at open, before the writer thread owns the connection).
+    ``watermarks``, when given, replace every segment's."""
     conn.execute("BEGIN")
-    conn.executemany("DELETE FROM objects WHERE key = ?", [(k,) for k in deletes])
+    conn.executemany(_DELETE, [(k,) for k in deletes])
     conn.executemany(_UPSERT, rows)
+    if watermarks is not None:
+        conn.execute("DELETE FROM segments")
+        conn.executemany(_SAFE, list(watermarks.items()))
     conn.execute("COMMIT")
 
 
@@ -100,16 +129,24 @@ def upsert_op(row: Row) -> Op:
 
 
 def delete_op(key: str) -> Op:
-    return lambda conn: conn.execute("DELETE FROM objects WHERE key = ?", (key,))
+    return lambda conn: conn.execute(_DELETE, (key,))
 
 
 def delete_many_op(keys: list[str]) -> Op:
-    return lambda conn: conn.executemany("DELETE FROM objects WHERE key = ?", [(k,) for k in keys])
+    return lambda conn: conn.executemany(_DELETE, [(k,) for k in keys])
 
 
 def touch_op(touches: dict[str, int]) -> Op:
     params = [(recency, key, recency) for key, recency in touches.items()]
     return lambda conn: conn.executemany(_TOUCH, params)
+
+
+def watermark_op(segment: int, safe: int) -> Op:
+    return lambda conn: conn.execute(_SAFE, (segment, safe))
+
+
+def forget_segment_op(segment: int) -> Op:
+    return lambda conn: conn.execute("DELETE FROM segments WHERE id = ?", (segment,))
 
 
 def set_meta_op(key: str, value: str) -> Op:
@@ -135,7 +172,7 @@ class IndexWriter:
         self._ops: list[Op | concurrent.futures.Future[None]] = []
         self._closing = False
         self.errors = 0
-        self._last_warning = 0.0
+        self._warnings = ThrottledWarnings(log)
         self._thread = threading.Thread(target=self._run, name="lmserver-disk-index", daemon=True)
         self._thread.start()
 
@@ -188,14 +225,10 @@ class IndexWriter:
             self._conn.execute("COMMIT")
         except Exception as exc:  # sqlite3.Error, or a bug: never kill the writer thread
             self.errors += 1
-            self._warn(exc, len(batch))
+            self._warnings.warning(
+                "disk index write failed", error=str(exc), ops=len(batch), errors=self.errors
+            )
             with contextlib.suppress(sqlite3.Error):
                 self._conn.execute("ROLLBACK")
         for waiter in waiters:
             waiter.set_result(None)
-
-    def _warn(self, exc: Exception, ops: int) -> None:
-        now = time.monotonic()
-        if now - self._last_warning >= 10.0:
-            self._last_warning = now
-            log.warning("disk index write failed", error=str(exc), ops=ops, errors=self.errors)
