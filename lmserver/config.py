@@ -11,6 +11,7 @@ from typing import Literal
 
 from .access import parse_networks
 from .sizes import MAX_SIZE, format_size
+from .tiers.base import ConfigError
 from .tiers.spec import TierSpec
 
 DEFAULT_PORT = 65432
@@ -136,9 +137,10 @@ class ServerConfig:
                 _check(0 <= port <= 65535, option, f"{port} is out of range 0-65535")
 
 
-class OptionError(ValueError):
+class OptionError(ConfigError):
     """An option's value cannot be used: a configuration or startup error (exit status 2).
-    ``option`` names it (``--port``), so the command line can say where the value came from."""
+    ``option`` names it (``--port``), so the command line can say where the value came from.
+    A ``ConfigError`` (a ``ValueError``), as a bad ``--tier`` always was."""
 
     def __init__(self, option: str, message: str) -> None:
         super().__init__(message)

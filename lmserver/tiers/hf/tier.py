@@ -799,8 +799,12 @@ class HFBucketTier(Tier):
 
     def _attempt_failed(self, exc: HubError) -> None:
         """An HTTP attempt could not reach the Hub while its call retries (client.py): stop
-        taking writes now, not when the retries give up ~23 s later. The refresh thread's
-        probe makes the tier healthy again once the Hub answers."""
+        taking writes now, not when the retries give up ~23 s later. Counted as one failure
+        while healthy only: the retries that follow are the same trouble, and the call's
+        outcome is counted as ever. The refresh thread's probe makes the tier healthy again."""
+        with self._mu:
+            if not self._healthy:
+                return
         self._failed(exc, "hf tier: the Hub is unreachable; retrying")
 
     def _succeeded(self) -> None:
