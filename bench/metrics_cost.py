@@ -115,9 +115,13 @@ def in_process(depth: int, batches: int, rounds: int) -> float:
     from lmserver.store import Store
 
     config = ServerConfig(memory_limit=64 * 1024**2)
-    state = ServerState(config=config, store=Store(MemoryTier(config.memory_limit), write_behind_limit=1))
+    state = ServerState(config=config, store=Store(MemoryTier(config.memory_limit)))
     protocol = LMProtocol(state)
-    protocol.connection_made(_Transport())  # type: ignore[arg-type]
+
+    async def connect() -> None:  # connection_made reads the loop's clock
+        protocol.connection_made(_Transport())  # type: ignore[arg-type]
+
+    asyncio.run(connect())
     frames = b"".join(
         encode_request(Command.EXIST, f"key-{i}", generation=Generation.V0) for i in range(depth)
     )
@@ -143,7 +147,7 @@ def scrape_cost(scrapes: int) -> tuple[float, float]:
         await server.start()
         socks = [await asyncio.open_connection(server.host, server.port) for _ in range(100)]
         await asyncio.sleep(0.2)
-        collector = ServerCollector(server.state, asyncio.get_running_loop())
+        collector = ServerCollector(server.state)
         t0 = time.perf_counter()
         for _ in range(scrapes):
             snapshot(server.state)
@@ -152,7 +156,7 @@ def scrape_cost(scrapes: int) -> tuple[float, float]:
 
         t0 = time.perf_counter()
         for _ in range(scrapes):
-            generate_latest(server._metrics.registry)  # type: ignore[union-attr]
+            generate_latest(server._metrics.renderer.registry)  # type: ignore[union-attr]
         total = (time.perf_counter() - t0) / scrapes * 1e3
         del collector
         for _, writer in socks:

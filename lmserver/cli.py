@@ -20,8 +20,15 @@ import click
 from lmproto import REPLY_SIZE, Command, Generation, Status, decode_json, decode_reply, encode_request
 
 from . import __version__, hardexit
-from .config import DEFAULT_DISK_LIMIT, DEFAULT_MAX_OBJECT_SIZE, DEFAULT_PORT, ServerConfig
-from .configfile import use_config_file
+from .config import (
+    DEFAULT_DISK_LIMIT,
+    DEFAULT_MAX_OBJECT_SIZE,
+    DEFAULT_PORT,
+    MAX_CONNECTIONS,
+    OptionError,
+    ServerConfig,
+)
+from .configfile import describe, use_config_file
 from .sizes import format_size, parse_size
 
 
@@ -185,15 +192,17 @@ def main() -> None:
 )
 @click.option(
     "--max-connections",
-    type=click.IntRange(1),
+    type=click.IntRange(1, MAX_CONNECTIONS),
     default=4096,
     envvar=_env("MAX_CONNECTIONS"),
     show_envvar=True,
-    help="Connections served at once; more are closed on accept.",
+    help="Connections served at once, TLS handshakes in progress included. At the limit a newcomer "
+    "displaces the longest-idle connection of the most crowded address, or is closed on accept when "
+    "none is idle.",
 )
 @click.option(
     "--max-connections-per-address",
-    type=click.IntRange(1),
+    type=click.IntRange(1, MAX_CONNECTIONS),
     default=1024,
     envvar=_env("MAX_CONNECTIONS_PER_ADDRESS"),
     show_envvar=True,
@@ -235,7 +244,7 @@ def main() -> None:
 )
 @click.option(
     "--max-list-keys",
-    type=click.IntRange(1),
+    type=click.IntRange(1, 2**31 - 1),
     default=1_000_000,
     envvar=_env("MAX_LIST_KEYS"),
     show_envvar=True,
@@ -280,9 +289,9 @@ def main() -> None:
     metavar="CIDR",
     envvar=_env("ALLOW"),
     show_envvar=True,
-    help="Only peers in this network (10.0.0.0/8) or with this address may connect; repeatable "
-    "(the variable takes a space- or comma-separated list). Others are closed at accept. "
-    "[default: everyone who can reach --host]",
+    help="Only peers in this network (10.0.0.0/8) or with this address may connect, to every port; "
+    "repeatable (the variable takes a space- or comma-separated list). Others are closed at accept, "
+    "before a TLS handshake. [default: everyone who can reach --host]",
 )
 @click.option(
     "--plain/--no-plain",
@@ -329,7 +338,8 @@ def main() -> None:
     default=None,
     envvar=_env("METRICS_PORT"),
     show_envvar=True,
-    help="Serve Prometheus metrics over HTTP at /metrics on this port. [default: off]",
+    help="Serve Prometheus metrics over HTTP at /metrics on this port (on the event loop; --allow "
+    "applies; 16 connections at most). [default: off]",
 )
 @click.option(
     "--metrics-host",
@@ -366,11 +376,12 @@ def serve(positional: tuple[str, ...], **options: Any) -> None:
     for name in ("memory_limit", "dirty_limit"):
         if options[name] is None:
             del options[name]
+    ctx = click.get_current_context()
     try:
         config = ServerConfig(**options)
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
-    status = run(config)
+    except OptionError as exc:
+        raise click.UsageError(describe(ctx, exc)) from None
+    status = run(config, lambda exc: describe(ctx, exc))
     hardexit.set_exit_code(status)  # honoured if a native library forces a hard exit
     sys.exit(status)
 

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Literal
 
 from .access import parse_networks
+from .sizes import MAX_SIZE, format_size
+from .tiers.base import ConfigError
 from .tiers.spec import TierSpec
 
 DEFAULT_PORT = 65432
@@ -79,63 +81,103 @@ class ServerConfig:
     def __post_init__(self) -> None:
         """Every option's range, checked once at startup: a bad value is one clear error
         (the CLI prints it and exits 2), never a failure later while serving."""
-        _check(bool(self.host), "--host must not be empty")
-        _check(0 <= self.port <= 65535, f"--port {self.port} is out of range 0-65535")
+        _check(bool(self.host), "--host", "must not be empty")
+        _check(0 <= self.port <= 65535, "--port", f"{self.port} is out of range 0-65535")
         _choice("--protocol", self.protocol, ("auto", "v0", "v1"))
-        _check(self.memory_limit > 0, "--memory-limit must be positive")
+        _size("--memory-limit", self.memory_limit, minimum=1)
         _check(
             1 <= self.max_object_size <= 2**31 - 1,
-            "--max-object-size must be 1 byte to 2GiB - 1 (the protocol's int32 length)",
+            "--max-object-size",
+            "must be 1 byte to 2GiB - 1 (the protocol's int32 length)",
         )
-        _check(self.disk_limit > 0, "--disk-limit must be positive")
+        _size("--disk-limit", self.disk_limit, minimum=1)
         _choice("--fsync", self.fsync, ("always", "batch", "never"))
         _choice("--disk-direct", self.disk_direct, ("auto", "off"))
-        _check(self.write_behind_limit >= 0, "--write-behind-limit must not be negative")
+        _size("--write-behind-limit", self.write_behind_limit, minimum=0)
         _choice("--write-behind-full", self.write_behind_full, ("wait", "skip"))
-        _check(self.dirty_limit is None or self.dirty_limit > 0, "--dirty-limit must be positive")
-        _check(self.max_connections >= 1, "--max-connections must be at least 1")
-        _check(self.max_connections_per_address >= 1, "--max-connections-per-address must be at least 1")
+        if self.dirty_limit is not None:
+            _size("--dirty-limit", self.dirty_limit, minimum=1)
+        _count("--max-connections", self.max_connections, MAX_CONNECTIONS)
+        _count("--max-connections-per-address", self.max_connections_per_address, MAX_CONNECTIONS)
         _seconds("--idle-timeout", self.idle_timeout)
         _seconds("--header-timeout", self.header_timeout)
         _seconds("--body-timeout", self.body_timeout)
-        _check(self.max_list_keys >= 1, "--max-list-keys must be at least 1")
+        _count("--max-list-keys", self.max_list_keys, 2**31 - 1)
         _seconds("--memory-wait", self.put_wait_timeout)
         _seconds("--shutdown-timeout", self.shutdown_timeout)
         _choice("--loop", self.loop, ("auto", "uvloop", "asyncio"))
         _check(
             self.log_level.upper() in logging.getLevelNamesMapping(),
-            f"--log-level {self.log_level!r} is not a log level",
+            "--log-level",
+            f"{self.log_level!r} is not a log level",
         )
         _choice("--log-format", self.log_format, ("auto", "console", "json"))
         if self.max_object_size > self.memory_limit:
             object.__setattr__(self, "max_object_size", self.memory_limit)
         for text in self.tiers:
-            TierSpec.parse(text)  # syntax only; the kind's own options are checked at startup
+            try:
+                TierSpec.parse(text)  # syntax only; the kind's own options are checked at startup
+            except ValueError as exc:
+                raise OptionError("--tier", str(exc)) from None
         self._check_operations()
 
     def _check_operations(self) -> None:
-        parse_networks(self.allow)  # raises ValueError naming a bad entry
+        try:
+            parse_networks(self.allow)
+        except ValueError as exc:
+            raise OptionError("--allow", str(exc)) from None
         if (self.tls_port is None) != (self.tls_cert is None):
-            raise ValueError("--tls-port and --tls-cert go together")
+            raise OptionError("--tls-port", "--tls-port and --tls-cert go together")
         if self.tls_port is None and (self.tls_key is not None or self.tls_client_ca is not None):
-            raise ValueError("--tls-key and --tls-client-ca need --tls-port and --tls-cert")
+            raise OptionError("--tls-key", "--tls-key and --tls-client-ca need --tls-port and --tls-cert")
         if not self.plain and self.tls_port is None:
-            raise ValueError("--no-plain needs a TLS listener (--tls-port)")
-        for port in (self.tls_port, self.metrics_port):
-            if port is not None and not 0 <= port <= 65535:
-                raise ValueError(f"port {port} out of range")
+            raise OptionError("--no-plain", "--no-plain needs a TLS listener (--tls-port)")
+        for option, port in (("--tls-port", self.tls_port), ("--metrics-port", self.metrics_port)):
+            if port is not None:
+                _check(0 <= port <= 65535, option, f"{port} is out of range 0-65535")
 
 
-def _check(ok: bool, message: str) -> None:
+class OptionError(ConfigError):
+    """An option's value cannot be used: a configuration or startup error (exit status 2).
+    ``option`` names it (``--port``), so the command line can say where the value came from.
+    A ``ConfigError`` (a ``ValueError``), as a bad ``--tier`` always was."""
+
+    def __init__(self, option: str, message: str) -> None:
+        super().__init__(message)
+        self.option = option
+
+
+MAX_CONNECTIONS = 1 << 20
+"""Upper bound of the connection counts: Linux's default limit of descriptors per process."""
+
+MAX_SECONDS = 1e9
+"""Upper bound of every timeout (~31 years): larger ones overflow event loop timers."""
+
+
+def _check(ok: bool, option: str, problem: str) -> None:
     if not ok:
-        raise ValueError(message)
+        raise OptionError(option, problem if problem.startswith(option) else f"{option} {problem}")
 
 
 def _choice(option: str, value: str, choices: tuple[str, ...]) -> None:
-    _check(value in choices, f"{option} {value!r} is not one of {', '.join(choices)}")
+    _check(value in choices, option, f"{value!r} is not one of {', '.join(choices)}")
+
+
+def _size(option: str, value: int, *, minimum: int) -> None:
+    _check(
+        minimum <= value <= MAX_SIZE,
+        option,
+        f"must be {'positive' if minimum else 'at least 0'} and at most {format_size(MAX_SIZE)}, not {value}",
+    )
+
+
+def _count(option: str, value: int, maximum: int) -> None:
+    _check(1 <= value <= maximum, option, f"must be 1 to {maximum:,}, not {value:,}")
 
 
 def _seconds(option: str, value: float) -> None:
     _check(
-        math.isfinite(value) and value >= 0, f"{option} must be a finite number of seconds >= 0, not {value}"
+        math.isfinite(value) and 0 <= value <= MAX_SECONDS,
+        option,
+        f"must be a finite number of seconds from 0 to {MAX_SECONDS:.0e}, not {value}",
     )

@@ -213,7 +213,7 @@ def _closing() -> bool:
 
 
 class LMProtocol(asyncio.BufferedProtocol):
-    def __init__(self, state: ServerState) -> None:
+    def __init__(self, state: ServerState, address: str | None = None) -> None:
         # Shared server state
         self.state = state
         self.store = state.store
@@ -274,7 +274,10 @@ class LMProtocol(asyncio.BufferedProtocol):
         self.busy = False  # an awaited operation is in flight; parsing waits for it
         self.closing = False  # finish the current request, then close
         self.closed = False
-        self.address: str | None = None  # counted against max_connections_per_address
+        # The peer address whose slot (admission.py) this connection holds, given back on close.
+        self.address = address
+        # A TLS connection's handshake (admission.PendingHandshake), whose slot it takes over.
+        self.handshake: Any = None
         self.sock: Any = None  # the transport's socket, for TCP_QUICKACK (see _ack_now)
         # The socket's descriptor if replies may be sent on it directly (a plain socket;
         # only while the transport is not closing: see _send), else -1.
@@ -290,7 +293,7 @@ class LMProtocol(asyncio.BufferedProtocol):
         # Progress, for the timeout sweep: counted on the read path, compared by ``sweep``.
         self.received = 0
         self.parsed = 0
-        self._seen_received = -1
+        self._seen_received = 0  # quiet since connection_made until bytes arrive
         self._quiet_since = 0.0
         self._header_since: float | None = None
         self._seen_parsed = 0
@@ -330,7 +333,24 @@ class LMProtocol(asyncio.BufferedProtocol):
         self.discard_left = 0
 
         # Commands without an object body; decode_request has already flagged unknown ones.
-        self._handlers: dict[int, Callable[[Request, memoryview], None]] = {
+        # Filled by connection_made: bound methods of self make a reference cycle, which a
+        # protocol that never connects (a failed TLS handshake) must not carry.
+        self._handlers: dict[int, Callable[[Request, memoryview], None]] = {}
+
+    # -- connection lifecycle -------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # Admitted when accepted (admission.py): --allow and the limits were applied then.
+        if self.handshake is not None:
+            self.handshake.hand_over(self)
+            self.handshake = None
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
+        self.peer = transport.get_extra_info("peername")
+        if self.state.shutting_down:  # a TLS handshake that finished during the shutdown
+            self.closed = True
+            self.transport.abort()  # type: ignore[union-attr]
+            return
+        self._handlers = {
             Command.GET: self._get,
             Command.EXIST: self._exist,
             Command.LIST: self._list,
@@ -341,45 +361,6 @@ class LMProtocol(asyncio.BufferedProtocol):
             Command.DELETE_MANY: self._delete_many,
             Command.LIST_PAGE: self._list_page,
         }
-
-    # -- connection lifecycle -------------------------------------------------------------
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
-        self.peer = transport.get_extra_info("peername")
-        if not self.state.access.allows(self.peer):
-            self.counters["connections_refused"] += 1
-            self.counters["connections_refused_not_allowed"] += 1
-            throttled.warning("connection from an address not allowed", peer=self.peer)
-            self.closed = True
-            self.transport.abort()  # type: ignore[union-attr]  # before any read
-            return
-        address = self.peer[0] if isinstance(self.peer, tuple) and self.peer else None
-        per_address = self.state.connections_per_address
-        if self.state.shutting_down:
-            reason = "shutting down"
-        elif len(self.state.connections) >= self.config.max_connections:
-            reason = "max connections reached"
-        elif address is not None and per_address[address] >= self.config.max_connections_per_address:
-            reason = "max connections per address reached"
-            self.counters["connections_refused_per_address"] += 1
-        else:
-            reason = ""
-        if reason:
-            self.counters["connections_refused"] += 1
-            throttled.warning(
-                "connection refused",
-                peer=self.peer,
-                reason=reason,
-                max_connections=self.config.max_connections,
-                max_connections_per_address=self.config.max_connections_per_address,
-            )
-            self.closed = True
-            self.transport.abort()  # type: ignore[union-attr]
-            return
-        if address is not None:
-            self.address = address
-            per_address[address] += 1
         self._quiet_since = asyncio.get_running_loop().time()
         sock = transport.get_extra_info("socket")
         if sock is not None:
@@ -409,12 +390,8 @@ class LMProtocol(asyncio.BufferedProtocol):
             self.state.fold_command_counts(self.by_command)
         if not self.state.connections:
             self.state.no_connections.set()
-        if self.address is not None:
-            per_address = self.state.connections_per_address
-            per_address[self.address] -= 1
-            if not per_address[self.address]:
-                del per_address[self.address]
-            self.address = None
+        self.state.release_address(self.address)
+        self.address = None
         if self.body_entry is not None:
             # A body cut short (a PUT's, or a control body's): its reservation is given
             # back and, for a PUT, never published.
@@ -519,6 +496,31 @@ class LMProtocol(asyncio.BufferedProtocol):
             log.debug("closing idle connection", peer=self.peer, idle_s=round(quiet, 1))
             self._linger_close()
         self._header_since = None
+
+    def idle_since(self, now: float) -> float | None:
+        """Since when (loop time) this connection has waited for its peer with nothing in
+        progress: ``now`` if bytes came since the last sweep; None while a request is in
+        progress (a body, a partial header, an operation, replies unsent or held)."""
+        if (
+            self.closed
+            or self.busy
+            or self.held
+            or self.acks_in_flight
+            or self.write_paused
+            or self.body is not None
+            or self.discard_left
+            or self.end > self.start
+        ):
+            return None
+        return self._quiet_since if self.received == self._seen_received else now
+
+    def displace(self) -> None:
+        """Make room for a newcomer at --max-connections (admission.py): this connection is
+        idle, so nothing in progress is lost; closed at once, its slot free on the next turn."""
+        log.debug("idle connection displaced by a newcomer", peer=self.peer)
+        self.closed = True
+        assert self.transport is not None
+        self.transport.abort()
 
     def _time_out(self, counter: str, reason: str) -> None:
         """The peer stopped making progress: drop the connection (and what it reserved)."""
@@ -887,7 +889,8 @@ class LMProtocol(asyncio.BufferedProtocol):
         if ok:
             slot.buffers.append(self._canned[Status.SUCCESS])
         else:
-            reason = encode_error_text("stored in memory, not on disk")
+            # The tier that must hold it first refused it (full, failing, or the object too large).
+            reason = encode_error_text(f"stored in memory, not in tier {self.store.links[0].name}")
             header = encode_reply(Status.NO_SPACE, len(reason), generation=self.generation)
             slot.buffers += (header, reason)
         slot.ready = True
@@ -1324,7 +1327,7 @@ async def sweep(state: ServerState) -> None:
     while True:
         await asyncio.sleep(interval)
         now = loop.time()
-        close_idle = len(state.connections) > config.max_connections * 3 // 4
+        close_idle = len(state.connections) + len(state.handshakes) > config.max_connections * 3 // 4
         for connection in list(state.connections):
             connection.tick(now, close_idle)
 

@@ -5,9 +5,9 @@ Strategy:
 * The request path only bumps plain integers it already keeps (``ServerState.counters``,
   each connection's ``by_command`` list, the store's and tiers' usage numbers). Nothing
   Prometheus-specific runs per request; a scrape turns those integers into metric families.
-* A scrape arrives on prometheus_client's HTTP thread, but the numbers belong to the event
-  loop: one snapshot (the STATS document plus requests by command and the latency buckets)
-  is taken *on the loop*, then formatted on the HTTP thread.
+* A scrape is served on the event loop (``metrics_endpoint.py``), which owns the numbers: one
+  snapshot (the STATS document plus requests by command and the latency buckets) is taken
+  and formatted there, no thread and no lock involved.
 * Metrics are derived generically where the source is open-ended, so new counters show up
   without touching this file: every per-tier numeric field becomes ``lmserver_tier_<field>``
   (a gauge if listed in ``TIER_GAUGES``, else a counter ``..._total``) with a ``tier`` label;
@@ -23,13 +23,12 @@ Strategy:
 
 from __future__ import annotations
 
-import asyncio
 import bisect
 import dataclasses
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
+from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -59,8 +58,6 @@ TIER_GAUGES = frozenset(
 a true/false field (``healthy``) a 0/1 gauge."""
 
 _TIER_GAUGE_NAMES = {"capacity": "capacity_bytes", "queue_limit": "queue_limit_bytes"}  # base units
-SNAPSHOT_TIMEOUT_S = 5.0
-"""How long a scrape waits for the event loop to take the snapshot (it is busy, not stuck)."""
 
 
 class LatencyRecorder:
@@ -96,13 +93,6 @@ def snapshot(state: ServerState) -> dict[str, Any]:
     return doc
 
 
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
-
-
 def _command_name(number: int) -> str:
     return Command(number).name.lower()
 
@@ -122,21 +112,11 @@ def _flags(fields: dict[str, Any]) -> Iterator[tuple[str, int]]:
 class ServerCollector(Collector):
     """Builds every lmserver metric family from one snapshot."""
 
-    def __init__(self, state: ServerState, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, state: ServerState) -> None:
         self.state = state
-        self.loop = loop
-
-    def _snapshot(self) -> dict[str, Any]:
-        if _running_loop() is self.loop:
-            return snapshot(self.state)  # called on the loop itself (tests)
-
-        async def take() -> dict[str, Any]:
-            return snapshot(self.state)
-
-        return asyncio.run_coroutine_threadsafe(take(), self.loop).result(SNAPSHOT_TIMEOUT_S)
 
     def collect(self) -> Iterable[Metric]:
-        doc = self._snapshot()
+        doc = snapshot(self.state)  # on the event loop (metrics_endpoint.py)
         yield from _info(doc)
         yield from _requests(doc)
         yield from _connections(doc)
@@ -219,6 +199,11 @@ def _connections(doc: dict[str, Any]) -> Iterator[Metric]:
     connections = doc["connections"]
     counters: dict[str, int] = doc["counters"]
     yield GaugeMetricFamily("lmserver_connections", "Connections open now.", connections["current"])
+    yield GaugeMetricFamily(
+        "lmserver_tls_handshakes",
+        "TLS handshakes in progress (each holds a connection slot).",
+        connections["handshakes"],
+    )
     yield CounterMetricFamily("lmserver_connections_accepted", "Connections accepted.", connections["total"])
     yield GaugeMetricFamily(
         "lmserver_connection_buffer_bytes",
@@ -321,30 +306,16 @@ def _bound_label(bound: float) -> str:
     return "+Inf" if bound == float("inf") else repr(bound)
 
 
-class MetricsServer:
-    """``/metrics`` over HTTP on its own thread (prometheus_client's server)."""
-
-    def __init__(self, state: ServerState, loop: asyncio.AbstractEventLoop) -> None:
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(ServerCollector(state, loop))
-        ProcessCollector(registry=self.registry)  # CPU, RSS, open fds of the server process
-        self._httpd: Any = None
-        self.host = ""
-        self.port = 0
-
-    def start(self, host: str, port: int) -> None:
-        self._httpd, _ = start_http_server(port, addr=host, registry=self.registry)
-        self.host, self.port = self._httpd.server_address[:2]
-
-    def stop(self) -> None:
-        if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
-            self._httpd = None
+def registry(state: ServerState) -> CollectorRegistry:
+    """Every metric of the server: its own, and the process's CPU, RSS and open fds."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ServerCollector(state))
+    ProcessCollector(registry=registry)
+    return registry
 
 
 def enable_latency(state: ServerState) -> None:
     state.latency = LatencyRecorder()
 
 
-__all__ = ["LATENCY_BOUNDS", "TIER_GAUGES", "LatencyRecorder", "MetricsServer", "ServerCollector"]
+__all__ = ["LATENCY_BOUNDS", "TIER_GAUGES", "LatencyRecorder", "ServerCollector", "registry"]

@@ -332,20 +332,27 @@ class PlainTransport:
             self._sock.close()
 
 
+Accepted = Callable[[socket.socket, Any], None]
+"""What a listener does with each accepted socket (non-blocking by then) and its peer's address:
+admit and serve it, or close it. It owns the socket from then on."""
+
+
 class PlainListener:
-    """Listening sockets whose connections get a ``PlainTransport``: the subset of
-    ``asyncio.Server`` the server uses (``sockets``, ``close``, ``wait_closed``)."""
+    """Listening sockets whose accepted connections go to ``accepted``: the subset of
+    ``asyncio.Server`` the server uses (``sockets``, ``close``, ``wait_closed``). The server
+    admits each connection there (admission.py) before a byte is read or a TLS handshake
+    begins, and serves it on a ``PlainTransport`` or hands it to the loop's TLS layer."""
 
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,
         sockets: list[socket.socket],
-        protocol_factory: Callable[[], LMProtocol],
+        accepted: Accepted,
         backlog: int,
     ) -> None:
         self._loop = loop
         self.sockets = list(sockets)
-        self._factory = protocol_factory
+        self._accepted = accepted
         self._backlog = backlog
         self._accepting = False
         self._closed = False
@@ -398,19 +405,16 @@ class PlainListener:
                 return
             try:
                 conn.setblocking(False)
-                transport = PlainTransport(self._loop, conn, peername, self._factory())
+                self._accepted(conn, peername)
             except Exception as exc:  # the connection reset already (getsockname), or a bug
                 log.warning("accepted connection dropped", error=repr(exc), peer=peername)
                 conn.close()
                 continue
-            transport.start()
             if self._closed:
                 return
 
 
-async def create_plain_server(
-    protocol_factory: Callable[[], LMProtocol], host: str, port: int, *, backlog: int
-) -> PlainListener:
+async def listen(host: str, port: int, accepted: Accepted, *, backlog: int) -> PlainListener:
     """Listen on every address ``host`` resolves to, at ``port`` (0: a free one), with
     ``SO_REUSEADDR`` and IPv6 sockets IPv6-only, as ``loop.create_server`` does."""
     loop = asyncio.get_running_loop()
@@ -433,6 +437,18 @@ async def create_plain_server(
         for sock in sockets:
             sock.close()
         raise
-    listener = PlainListener(loop, sockets, protocol_factory, backlog)
+    listener = PlainListener(loop, sockets, accepted, backlog)
     listener.start()
     return listener
+
+
+async def create_plain_server(
+    protocol_factory: Callable[[], LMProtocol], host: str, port: int, *, backlog: int
+) -> PlainListener:
+    """``listen`` serving every accepted connection with a new protocol, no questions asked."""
+    loop = asyncio.get_running_loop()
+
+    def accepted(sock: socket.socket, peername: Any) -> None:
+        PlainTransport(loop, sock, peername, protocol_factory()).start()
+
+    return await listen(host, port, accepted, backlog=backlog)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import operator
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -10,9 +11,11 @@ from typing import TYPE_CHECKING
 
 from .access import AccessList
 from .config import ServerConfig
+from .heap import HeapTrimmer
 from .store import Store
 
 if TYPE_CHECKING:
+    from .admission import PendingHandshake
     from .connection import LMProtocol
     from .metrics import LatencyRecorder
 
@@ -22,7 +25,11 @@ class ServerState:
     config: ServerConfig
     store: Store
     connections: set[LMProtocol] = field(default_factory=set)
+    # TLS handshakes in progress: each holds a slot of --max-connections (admission.py).
+    handshakes: set[PendingHandshake] = field(default_factory=set)
+    # Slots held per peer address, connections and handshakes alike (admission.py).
     connections_per_address: Counter[str] = field(default_factory=Counter)
+    heap: HeapTrimmer = field(default_factory=HeapTrimmer)  # trims the C heap after many closes
     # Event counts by name; read them through current_counters(), .get(name, 0). A
     # defaultdict, not a Counter: `counters[name] += n` runs on the request path, and Counter,
     # a Python subclass of dict, makes every subscript a slot lookup and a call through Python.
@@ -47,6 +54,15 @@ class ServerState:
             connection.add_counts()
         return self.counters
 
+    def release_address(self, address: str | None) -> None:
+        """A slot taken by ``Admission.admit`` for ``address`` is free again."""
+        self.heap.closed()
+        if address is not None:
+            per_address = self.connections_per_address
+            per_address[address] -= 1
+            if per_address[address] <= 0:
+                del per_address[address]
+
     def fold_command_counts(self, counts: list[int]) -> None:
         _add_into(self.closed_by_command, counts)
 
@@ -62,6 +78,5 @@ class ServerState:
 def _add_into(totals: list[int], counts: list[int]) -> None:
     if len(totals) < len(counts):
         totals += [0] * (len(counts) - len(totals))
-    for i, n in enumerate(counts):
-        if n:
-            totals[i] += n
+    # In C, not a Python loop: a scrape adds up every open connection's counts (~100 each).
+    totals[: len(counts)] = map(operator.add, totals, counts)

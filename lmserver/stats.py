@@ -27,6 +27,7 @@ def server_stats(state: ServerState) -> dict[str, Any]:
         "uptime_s": round(time.time() - state.started_at, 3),
         "connections": {
             "current": len(state.connections),
+            "handshakes": len(state.handshakes),  # TLS handshakes in progress (slots held too)
             "total": counters.get("connections_accepted", 0),
             "refused": counters.get("connections_refused", 0),
             "max": state.config.max_connections,

@@ -103,5 +103,31 @@ def wait_until(predicate: Any, timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
+def connect_from(source: str, port: int) -> socket.socket:
+    """A connection to 127.0.0.1:port whose source address is ``source`` (all of 127/8 is lo)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.bind((source, 0))
+    sock.connect(("127.0.0.1", port))
+    return sock
+
+
+def health(sock: socket.socket) -> int:
+    sock.sendall(encode_request(Command.HEALTH, generation=Generation.V0))
+    header = b""
+    while len(header) < REPLY_SIZE[Generation.V0]:
+        chunk = sock.recv(REPLY_SIZE[Generation.V0] - len(header))
+        assert chunk, "closed"
+        header += chunk
+    return decode_reply(header, Generation.V0).status
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
 def raw_v0(command: int, length: int, key: bytes) -> bytes:
     return V0_REQUEST.pack(command, length, key.ljust(150, b" "))

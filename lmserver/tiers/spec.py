@@ -32,7 +32,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
-from ..sizes import parse_size
+from ..sizes import MAX_SIZE, format_size, parse_size
 from .base import ConfigError
 
 Mode = Literal["write-behind", "demote"]
@@ -40,10 +40,12 @@ MODES: tuple[Mode, ...] = ("write-behind", "demote")
 Full = Literal["wait", "skip"]
 FULL_POLICIES: tuple[Full, ...] = ("wait", "skip")
 DEFAULT_QUEUE_BYTES = 256 * 1024**2
-MAX_SIZE = 1 << 60
-"""Sizes above an exbibyte are typos (or overflow attempts), never a real capacity."""
+MAX_COUNT = 1024
+"""Largest integer option unless a tier says otherwise: counts of threads (``workers``),
+lanes and batch entries, where a typo of a few digits would start thousands of threads."""
 _S = TypeVar("_S", bound=str)
-_SECRET = re.compile(r"(?<=[?&])(token|secret|password)=[^&]*", re.IGNORECASE)
+_SECRET = re.compile(r"(?<=[?&])([^=&]*(?:token|secret|password)[^=&]*)=[^&]*", re.IGNORECASE)
+"""Options whose values are masked in logs and errors: ``token``, ``secret_key``, ..."""
 
 
 @dataclass(frozen=True)
@@ -96,14 +98,14 @@ class TierSpec:
         if value is None:
             return default
         try:
-            number = parse_size(value)
+            size = parse_size(value)  # at most sizes.MAX_SIZE (1 EiB)
         except ValueError:
-            raise self._fail(name, value, "a size such as 64GiB") from None
-        if not minimum <= number <= MAX_SIZE:
-            raise self._fail(name, value, f"a size from {minimum} bytes to 1EiB")
-        return number
+            raise self._fail(name, value, f"a size such as 64GiB, at most {format_size(MAX_SIZE)}") from None
+        if size < minimum:
+            raise self._fail(name, value, f"a size of at least {format_size(minimum)}")
+        return size
 
-    def integer(self, name: str, default: int, *, minimum: int = 0, maximum: int = 1 << 31) -> int:
+    def integer(self, name: str, default: int, *, minimum: int = 0, maximum: int = MAX_COUNT) -> int:
         value = self._raw(name)
         if value is None:
             return default

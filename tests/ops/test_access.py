@@ -2,42 +2,16 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+from wire import closed_by_server, connect_from, health
 
-from lmproto import REPLY_SIZE, Command, Generation, Status, decode_reply, encode_request
+from lmproto import Status
 from lmserver.access import AccessList, parse_networks
 from lmserver.config import ServerConfig
 from lmserver.server import ServerThread
-
-
-def connect_from(source: str, port: int) -> socket.socket:
-    """A connection to 127.0.0.1:port whose source address is ``source`` (all of 127/8 is lo)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.settimeout(10)
-    sock.bind((source, 0))
-    sock.connect(("127.0.0.1", port))
-    return sock
-
-
-def health(sock: socket.socket) -> int:
-    sock.sendall(encode_request(Command.HEALTH, generation=Generation.V0))
-    header = b""
-    while len(header) < REPLY_SIZE[Generation.V0]:
-        chunk = sock.recv(REPLY_SIZE[Generation.V0] - len(header))
-        assert chunk, "closed"
-        header += chunk
-    return decode_reply(header, Generation.V0).status
-
-
-def closed_by_server(sock: socket.socket) -> bool:
-    try:
-        return sock.recv(1) == b""
-    except ConnectionResetError:
-        return True
 
 
 def counters(thread: ServerThread) -> dict[str, int]:
@@ -86,6 +60,10 @@ def test_no_list_allows_everyone(make_server_thread: Callable[..., ServerThread]
         (["10.0.0.0/8"], ("11.0.0.1", 1), False),
         (["10.1.2.3/8"], ("10.9.9.9", 1), True),  # host bits are ignored
         (["10.0.0.0/8"], ("::ffff:10.0.0.1", 1, 0, 0), True),  # dual-stack socket, IPv4 peer
+        (["::ffff:127.0.0.1"], ("127.0.0.1", 1), True),  # an IPv4 network written as IPv6
+        (["::ffff:10.0.0.0/104"], ("10.9.8.7", 1), True),
+        (["::ffff:10.0.0.0/104"], ("::ffff:10.9.8.7", 1, 0, 0), True),
+        (["::ffff:10.0.0.0/104"], ("11.0.0.1", 1), False),
         (["::1"], ("::1", 1, 0, 0), True),
         (["fd00::/8"], ("fe80::1", 1, 0, 0), False),
         (["10.0.0.0/8"], None, False),  # no address (e.g. a Unix socket)
@@ -102,3 +80,20 @@ def test_a_bad_entry_is_refused_with_its_name(bad: str) -> None:
         parse_networks([bad])
     with pytest.raises(ValueError, match="--allow"):
         ServerConfig(allow=(bad,))
+
+
+@pytest.mark.parametrize("entries", [[""], [" , "], ["10.0.0.1", ","]])
+def test_an_entry_without_an_address_is_refused(entries: list[str]) -> None:
+    """``--allow ""`` let everyone in while the listening line showed ``allow: [""]``."""
+    with pytest.raises(ValueError, match="holds no address"):
+        parse_networks(entries)
+    with pytest.raises(ValueError, match="--allow"):
+        ServerConfig(allow=tuple(entries))
+
+
+def test_an_ipv6_mapped_entry_admits_ipv4_peers(make_server_thread: Callable[..., ServerThread]) -> None:
+    thread = make_server_thread(allow=("::ffff:127.0.0.1",))
+    with connect_from("127.0.0.1", thread.port) as allowed:
+        assert health(allowed) == Status.SUCCESS  # refused before
+    with connect_from("127.0.0.2", thread.port) as refused:
+        assert closed_by_server(refused)

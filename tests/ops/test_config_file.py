@@ -140,7 +140,7 @@ def test_the_server_runs_with_the_file_settings(tmp_path: Path, monkeypatch: pyt
     config = tmp_path / "c.toml"
     config.write_text('max-connections = 12\nmemory-limit = "64MiB"\nallow = "127.0.0.0/8, ::1"\n')
     seen: list[ServerConfig] = []
-    monkeypatch.setattr(lmserver.server, "run", lambda cfg: seen.append(cfg) or 0)
+    monkeypatch.setattr(lmserver.server, "run", lambda cfg, describe: seen.append(cfg) or 0)
 
     result = CliRunner().invoke(main, ["--config", str(config), "--port", "0"])
 

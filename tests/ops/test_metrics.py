@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import http.client
+import itertools
+import socket
+import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from wire import Wire
+from wire import Wire, wait_until
 
 from lmproto import Command, Generation, Status, decode_json
 from lmserver.metrics import LATENCY_BOUNDS, TIER_GAUGES, _tiers
+from lmserver.metrics_endpoint import MAX_CONNECTIONS
 from lmserver.server import ServerThread
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -30,6 +37,12 @@ def scrape(port: int) -> Samples:
 
 def value(samples: Samples, name: str, **labels: str) -> float:
     return samples[(name, frozenset(labels.items()))]
+
+
+def counters_of(thread: ServerThread) -> dict[str, int]:
+    assert thread.server is not None
+    state = thread.server.state
+    return thread.call(lambda: dict(state.current_counters()))  # type: ignore[no-any-return]
 
 
 def test_counts_after_a_known_workload(make_server_thread: Callable[..., ServerThread]) -> None:
@@ -191,3 +204,148 @@ def test_the_command_line_serves_metrics_from_a_config_file(
         wire.put("k", b"v")
     samples = scrape(int(listening["metrics_port"]))
     assert value(samples, "lmserver_requests_total", command="put_ack", outcome="ok") == 1
+
+
+# -- the endpoint: on the event loop, bounded (issue 32, item 3) -----------------------------
+
+
+def raw_http(port: int, request: bytes, host: str = "127.0.0.1", source: str = "127.0.0.1") -> bytes:
+    """Send raw ``request`` bytes; everything the server answers until it closes."""
+    with socket.create_connection((host, port), timeout=10, source_address=(source, 0)) as sock:
+        sock.sendall(request)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_only_metrics_is_served(make_server_thread: Callable[..., ServerThread]) -> None:
+    port = make_server_thread(metrics_port=0).metrics_port
+    assert port
+    close = b"Connection: close\r\n\r\n"
+    assert raw_http(port, b"GET / HTTP/1.1\r\n" + close).startswith(b"HTTP/1.1 404 ")
+    assert raw_http(port, b"GET /metricsx HTTP/1.1\r\n" + close).startswith(b"HTTP/1.1 404 ")
+    assert raw_http(port, b"POST /metrics HTTP/1.1\r\n" + close).startswith(b"HTTP/1.1 405 ")
+    assert raw_http(port, b"nonsense\r\n\r\n").startswith(b"HTTP/1.1 400 ")
+    huge = b"GET /metrics HTTP/1.1\r\nX: " + b"x" * 9000 + b"\r\n\r\n"
+    assert raw_http(port, huge).startswith(b"HTTP/1.1 431 ")
+    head = raw_http(port, b"HEAD /metrics HTTP/1.1\r\n" + close)
+    assert head.startswith(b"HTTP/1.1 200 ") and head.endswith(b"\r\n\r\n")  # no body
+    ok = raw_http(port, b"GET /metrics?x=1 HTTP/1.0\r\n\r\n")  # HTTP/1.0: closed after the answer
+    assert ok.startswith(b"HTTP/1.1 200 ") and b"lmserver_connections " in ok
+
+
+def test_scrapes_reuse_a_connection(make_server_thread: Callable[..., ServerThread]) -> None:
+    port = make_server_thread(metrics_port=0).metrics_port
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        for _ in range(2):
+            connection.request("GET", "/metrics")
+            response = connection.getresponse()
+            assert response.status == 200 and b"lmserver_build_info" in response.read()
+    finally:
+        connection.close()
+
+
+def test_allow_covers_the_metrics_port(make_server_thread: Callable[..., ServerThread]) -> None:
+    thread = make_server_thread(metrics_port=0, host="0.0.0.0", allow=("127.0.0.1",))
+    port = thread.metrics_port
+    assert port
+    assert raw_http(port, b"GET /metrics HTTP/1.0\r\n\r\n").startswith(b"HTTP/1.1 200 ")
+    assert raw_http(port, b"GET /metrics HTTP/1.0\r\n\r\n", source="127.0.0.2") == b""  # closed at once
+    assert counters_of(thread)["metrics_connections_refused"] == 1
+
+
+def test_a_request_must_come_in_time(
+    make_server_thread: Callable[..., ServerThread], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("lmserver.metrics_endpoint.REQUEST_TIMEOUT_S", 0.3)
+    thread = make_server_thread(metrics_port=0)
+    assert raw_http(thread.metrics_port or 0, b"GET /metr") == b""  # closed by the server, unanswered
+    assert counters_of(thread)["metrics_timeouts"] == 1
+
+
+def test_at_the_cap_a_scrape_displaces_the_longest_waiting_connection(
+    make_server_thread: Callable[..., ServerThread],
+) -> None:
+    thread = make_server_thread(metrics_port=0)
+    port = thread.metrics_port or 0
+    silent = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(MAX_CONNECTIONS)]
+    try:
+        wait_until(lambda: metrics_connections(thread) == MAX_CONNECTIONS)
+        scrape(port)
+        assert silent[0].recv(1) == b""  # the one waiting longest made room
+        assert counters_of(thread)["metrics_connections_displaced"] == 1
+    finally:
+        for sock in silent:
+            sock.close()
+
+
+def metrics_connections(thread: ServerThread) -> int:
+    assert thread.server is not None and thread.server._metrics is not None
+    endpoint = thread.server._metrics
+    return thread.call(lambda: len(endpoint._open))  # type: ignore[no-any-return]
+
+
+def test_concurrent_scrapes_share_one_rendering(
+    make_server_thread: Callable[..., ServerThread], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import lmserver.metrics_endpoint as endpoint
+
+    renderings: list[float] = []
+    real = endpoint.generate_latest
+
+    def counted(registry: Any) -> bytes:
+        renderings.append(time.monotonic())
+        return real(registry)
+
+    monkeypatch.setattr(endpoint, "generate_latest", counted)
+    port = make_server_thread(metrics_port=0).metrics_port or 0
+    scrape(port)  # the first rendering: at once
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda _: scrape(port), range(8)))
+    assert all(value(r, "lmserver_connections") == 0 for r in results)
+    # Renderings are RENDER_INTERVAL_S apart; the 8 scrapes sent together shared one or two.
+    assert len(renderings) <= 3
+    assert all(b - a >= endpoint.RENDER_INTERVAL_S * 0.99 for a, b in itertools.pairwise(renderings))
+
+
+def test_the_metrics_port_listens_before_the_lm_port(
+    make_server_thread: Callable[..., ServerThread], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A readiness probe that checks both ports must never find lm:// up and /metrics not."""
+    import lmserver.server
+    from lmserver.metrics_endpoint import MetricsEndpoint
+
+    order: list[str] = []
+    listen, start = lmserver.server.listen, MetricsEndpoint.start
+
+    async def lm_listen(*args: Any, **kwargs: Any) -> Any:
+        order.append("lm://")
+        return await listen(*args, **kwargs)
+
+    async def metrics_start(self: MetricsEndpoint, host: str, port: int) -> None:
+        await start(self, host, port)
+        order.append("/metrics")
+
+    monkeypatch.setattr(lmserver.server, "listen", lm_listen)
+    monkeypatch.setattr(MetricsEndpoint, "start", metrics_start)
+    make_server_thread(metrics_port=0)
+    assert order == ["/metrics", "lm://"]
+
+
+def test_silent_sockets_cost_no_threads(spawn_server: Callable[..., Any]) -> None:
+    """prometheus_client's server took a thread per connection: 2,000 silent sockets made
+    2,002 threads and 2,016 descriptors, forever. Now: no thread, at most MAX_CONNECTIONS."""
+    server = spawn_server("--metrics-port", "0")
+    port = int(server.events("listening")[0]["metrics_port"])
+    process = psutil.Process(server.proc.pid)
+    threads, fds = process.num_threads(), process.num_fds()
+    silent = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(200)]
+    try:
+        scrape(port)  # answered: the scrape displaced a silent socket
+        assert process.num_threads() == threads
+        assert process.num_fds() <= fds + MAX_CONNECTIONS + 1
+    finally:
+        for sock in silent:
+            sock.close()

@@ -3,113 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import datetime
-import ipaddress
 import socket
 import ssl
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+from pki import Pki
 
 from lmclient import AsyncClient, Client, TransportError
 from lmproto import REPLY_SIZE, Command, Generation, decode_reply, encode_request
 from lmserver.server import ServerThread
 
 BIG = 4 * 1024 * 1024
-
-
-@dataclass
-class Pki:
-    ca: Path
-    server_cert: Path
-    server_key: Path
-    client_cert: Path
-    client_key: Path
-
-    def client_context(self, with_cert: bool = False) -> ssl.SSLContext:
-        context = ssl.create_default_context(cafile=str(self.ca))
-        if with_cert:
-            context.load_cert_chain(self.client_cert, self.client_key)
-        return context
-
-
-def _name(common: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
-
-
-Issuer = tuple[x509.Name, ec.EllipticCurvePrivateKey]
-
-
-def _issue(
-    subject: str,
-    key: ec.EllipticCurvePrivateKey,
-    issuer: Issuer | None,
-    *,
-    ca: bool = False,
-    sans: list[x509.GeneralName] | None = None,
-) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.UTC)
-    issuer_name, issuer_key = issuer if issuer is not None else (_name(subject), key)
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(_name(subject))
-        .issuer_name(issuer_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-    )
-    if ca:
-        builder = builder.add_extension(
-            x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
-        ).add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-    else:
-        builder = builder.add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key.public_key()), critical=False
-        )
-    if sans:
-        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
-    return builder.sign(issuer_key, hashes.SHA256())
-
-
-def _write(path: Path, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey | None = None) -> Path:
-    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    if key is not None:
-        path.with_suffix(".key").write_bytes(
-            key.private_bytes(
-                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-            )
-        )
-    return path
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    folder = tmp_path_factory.mktemp("pki")
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = _issue("lmserver test CA", ca_key, None, ca=True)
-    server_key, client_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    sans: list[x509.GeneralName] = [
-        x509.DNSName("localhost"),
-        x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-    ]
-    server = _issue("localhost", server_key, (ca.subject, ca_key), sans=sans)
-    client = _issue("inference-node-1", client_key, (ca.subject, ca_key))
-    return Pki(
-        ca=_write(folder / "ca.pem", ca),
-        server_cert=_write(folder / "server.pem", server, server_key),
-        server_key=folder / "server.key",
-        client_cert=_write(folder / "client.pem", client, client_key),
-        client_key=folder / "client.key",
-    )
 
 
 @pytest.fixture(params=["asyncio", "uvloop"])
@@ -249,21 +155,22 @@ def test_tls_options_go_together(pki: Pki) -> None:
         ServerConfig(tls_key=pki.server_key)
 
 
-def test_allow_applies_to_the_tls_listener(make_server_thread: Callable[..., ServerThread], pki: Pki) -> None:
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_allow_applies_to_the_tls_listener_before_the_handshake(
+    make_server_thread: Callable[..., ServerThread], pki: Pki, loop: str
+) -> None:
     thread = make_server_thread(
-        tls_port=0, tls_cert=pki.server_cert, tls_key=pki.server_key, allow=("127.0.0.1/32",)
+        loop=loop, tls_port=0, tls_cert=pki.server_cert, tls_key=pki.server_key, allow=("127.0.0.1/32",)
     )
     raw = socket.socket()
     raw.settimeout(10)
     raw.bind(("127.0.0.2", 0))
     raw.connect(("127.0.0.1", thread.tls_port or 0))
-    # The loop completes the handshake; the connection is closed before anything is read.
-    with pki.client_context().wrap_socket(raw, server_hostname="127.0.0.1") as sock:
-        try:
-            closed = sock.recv(1) == b""
-        except (ConnectionResetError, ssl.SSLError):
-            closed = True
-        assert closed
+    # Closed at accept: the handshake never gets an answer (it used to complete first).
+    with pytest.raises((ssl.SSLError, ConnectionError)):
+        pki.client_context().wrap_socket(raw, server_hostname="127.0.0.1")
+    raw.close()
     assert thread.server is not None
     counters = thread.server.state.counters
     assert thread.call(lambda: counters["connections_refused_not_allowed"]) == 1
+    assert thread.call(lambda: counters.get("tls_handshake_failures", 0)) == 0  # none was begun

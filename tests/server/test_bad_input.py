@@ -132,12 +132,22 @@ def test_stalled_client_mid_body_does_not_stall_others(server_thread) -> None:
 
 
 def test_max_connections(make_server_thread) -> None:
+    """At the limit a newcomer displaces an idle connection, and is refused when every one is
+    in the middle of a request (tests/ops/test_admission.py: which one, and why)."""
     server = make_server_thread(max_connections=2)
     with Wire(server.host, server.port) as a, Wire(server.host, server.port) as b:
         assert a.call(Command.HEALTH)[0].status == 200
         with Wire(server.host, server.port) as c:
+            assert c.call(Command.HEALTH)[0].status == 200
+        assert stats(server)["connections_displaced"] == 1
+    connections = server.server.state.connections
+    wait_until(lambda: server.call(lambda: len(connections)) == 0)  # the server saw them close
+    with Wire(server.host, server.port) as a, Wire(server.host, server.port) as b:
+        for w in (a, b):
+            w.send_raw(raw_v0(Command.GET, 0, b"k")[:20])  # a header begun: busy
+        wait_until(lambda: server.call(lambda: [c.received for c in connections]) == [20, 20])
+        with Wire(server.host, server.port) as c:
             assert c.is_closed()
-        assert b.call(Command.HEALTH)[0].status == 200
     assert stats(server)["connections_refused"] == 1
 
 

@@ -46,7 +46,7 @@ def test_bad_option_value_is_a_one_line_usage_error(
     option: str, value: str, word: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Were a bad value accepted, the command must not serve forever: it exits 3 instead.
-    monkeypatch.setattr("lmserver.server.run", lambda config: 3)
+    monkeypatch.setattr("lmserver.server.run", lambda config, describe: 3)
     result = CliRunner().invoke(main, ["serve", "--memory-limit", "1GiB", option, value])
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output
@@ -66,6 +66,13 @@ BAD_CONFIG: list[dict[str, Any]] = [
     {"disk_direct": "on"},
     {"write_behind_limit": -1},
     {"max_connections": 0},
+    {"max_connections": 2**20 + 1},
+    {"max_connections_per_address": 2**20 + 1},
+    {"memory_limit": 2**60 + 1},
+    {"disk_limit": 10**30},
+    {"write_behind_limit": 2**61},
+    {"max_list_keys": 2**31},
+    {"idle_timeout": 1e300},
     {"max_list_keys": 0},
     {"max_connections_per_address": 0},
     {"idle_timeout": -1.0},

@@ -417,8 +417,8 @@ def test_second_server_on_the_same_disk_folder_refuses_to_start(spawn_server, tm
         text=True,
         timeout=30,
     )
-    assert second.returncode == 1
-    assert "cannot start" in second.stderr and "in use" in second.stderr
+    assert second.returncode == 2  # a startup error, one line naming the option
+    assert "cannot start" in second.stderr and "--disk" in second.stderr and "in use" in second.stderr
 
 
 def test_sigterm_answers_what_it_received_then_closes_cleanly(spawn_server, tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ pytest.importorskip("huggingface_hub")
 
 from fakehub import TOKEN, FakeHub
 from fakehub.fixtures import BUCKET, skip_backoff_sleeps
+from startup import startup_error
 from wire import Wire
 
 from lmproto import Command, Generation, ObjectMeta, decode_json
@@ -117,3 +118,39 @@ def test_a_write_behind_bucket_keeps_a_burst_larger_than_memory(
         for key in keys:
             reply, got = w.call(Command.GET, key)
             assert reply.status == 200 and got == body, key
+
+
+@pytest.mark.parametrize(
+    ("bucket", "token", "said"),
+    [("lmtest/missing", TOKEN, "not found"), (BUCKET, "hf_refused_token", "refused the token")],
+)
+def test_a_bucket_that_cannot_be_used_is_a_startup_error(
+    fake_hub: FakeHub, bucket: str, token: str, said: str
+) -> None:
+    """It printed a ~40-line traceback and exited 1."""
+    spec = f"hf://buckets/{bucket}/srv?endpoint={fake_hub.endpoint}&token={token}"
+    error = startup_error("--tier", spec)
+    assert error.startswith("--tier hf://buckets/") and said in error and token not in error
+
+
+def test_a_hub_refusing_connections_turns_the_tier_unhealthy_at_once(fake_hub: FakeHub, spawn_server) -> None:
+    """huggingface_hub retries a refused connection for ~23 s (its real backoff, not skipped
+    here): STATS said healthy all that time while writes piled up."""
+    spec = (
+        f"hf://buckets/{BUCKET}/srv?endpoint={fake_hub.endpoint}&token={TOKEN}"
+        "&mode=write-behind&refresh=0.2&window=0.01"
+    )
+    server = spawn_server("--tier", spec)
+    with Wire(server.host, server.port, Generation.V1) as w:
+        w.put("before", b"v" * 1000, META)
+        wait_for(lambda: hf_stats(w)["objects"] == 1, "the write behind")
+        fake_hub.stop()
+        started = time.monotonic()
+        for i in range(5):
+            w.send(Command.PUT, f"k{i}", b"v" * 1000, META)
+        wait_for(lambda: hf_stats(w)["is_healthy"] is False, "unhealthy in STATS", deadline_s=60)
+        assert time.monotonic() - started < 5  # one failed attempt, not the retries' ~23 s
+        # A PUT_ACK the tier refuses says which tier refused, not "not on disk".
+        reply, reason = w.call(Command.PUT_ACK, "after", b"a" * 100, META)
+        assert reply.status == 507 and reason == b"stored in memory, not in tier hf"
+        fake_hub.start()

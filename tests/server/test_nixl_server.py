@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from startup import startup_error
 from tiers.nixl_support import S3Server, obj_spec, s3
 from wire import Wire
 
@@ -113,3 +114,33 @@ def test_a_write_behind_bucket_keeps_a_burst_larger_than_memory(spawn_server, s3
     with Wire(proc.host, proc.port) as w:
         for key in keys:
             assert w.get(key) == value(key, 1024 * KiB), key
+
+
+def test_a_bucket_that_does_not_exist_is_a_startup_error(s3: S3Server) -> None:
+    """It printed a ~40-line traceback and exited 1."""
+    spec = obj_spec(s3, "no-such-bucket", capacity="1MiB")
+    error = startup_error("--tier", spec)
+    assert error.startswith("--tier nixl:s3://no-such-bucket/") and "secret_key=***" in error
+
+
+def test_a_directory_another_server_uses_is_a_startup_error(spawn_server, tmp_path: Path) -> None:
+    spec = f"nixl:{tmp_path / 'nx'}?capacity=1MiB"
+    spawn_server("--tier", spec)
+    error = startup_error("--tier", spec)
+    assert error.startswith(f"--tier {spec}: ") and "in use" in error
+
+
+def test_an_object_too_large_for_a_slot_is_counted_once(spawn_server, tmp_path: Path) -> None:
+    """Objects larger than a slot are declined by the write behind, then again when memory
+    evicts them (the demotion): the static pool's declined_too_large counted each twice."""
+    tier = f"nixl:{tmp_path / 'nx'}?layout=static&slot_size=64KiB&slots=4&mode=write-behind"
+    proc = spawn_server("--memory-limit", "4MiB", "--tier", tier)
+    with Wire(proc.host, proc.port) as w:
+        for i in range(60):  # 6 MiB through 4 MiB of memory: some are evicted and offered again
+            w.send(Command.PUT, f"big{i}", value(f"big{i}", 100 * KiB), META)
+        st = wait_for(w, "write_failures", 61)  # 60 write-behinds and at least one demotion
+        deadline = time.monotonic() + 60  # detects a hang only
+        while (st := nixl_stats(w))["queue_depth"]:  # every write and demotion tried
+            assert time.monotonic() < deadline, st
+            time.sleep(0.01)
+        assert st["declined_too_large"] == 60 < st["write_failures"], st

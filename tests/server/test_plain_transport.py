@@ -306,7 +306,10 @@ def test_accepting_goes_on_after_a_failed_accept(
         sock = Refusing()
         sock.bind(("127.0.0.1", 0))
         sock.setblocking(False)
-        listener = plain.PlainListener(asyncio.get_running_loop(), [sock], factory, 16)
+        loop = asyncio.get_running_loop()
+        listener = plain.PlainListener(
+            loop, [sock], lambda conn, peer: plain.PlainTransport(loop, conn, peer, factory()).start(), 16
+        )
         listener.start()
         async with connect(sock.getsockname()[1]):
             await first(protocols)

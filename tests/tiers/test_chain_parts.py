@@ -200,11 +200,20 @@ def test_spec_getters_and_typos() -> None:
         ("k:/?f=maybe", lambda s: s.flag("f", False)),
         ("k:/?c=purple", lambda s: s.choice("c", ("red", "blue"), "red")),
         ("k:/?s=big", lambda s: s.size("s", 0)),
+        ("k:/?s=99999999999999999999999TiB", lambda s: s.size("s", 0)),  # above 1 EiB
+        ("k:/?s=0", lambda s: s.size("s", 1, minimum=1)),
+        ("k:/?n=100000000000000000000", lambda s: s.integer("n", 1)),  # above MAX_COUNT
+        ("k:/?n=5", lambda s: s.integer("n", 1, maximum=4)),
     ],
 )
 def test_spec_bad_values_name_the_option(text: str, getter) -> None:
     with pytest.raises(ConfigError, match=text.split("?")[1].split("=")[0]):
         getter(TierSpec.parse(text))
+
+
+def test_secret_options_are_masked() -> None:
+    spec = TierSpec.parse("nixl:s3://b/p?access_key=a&secret_key=s3cr3t&token=t0k&session_password=pw&x=1")
+    assert str(spec) == "nixl:s3://b/p?access_key=a&secret_key=***&token=***&session_password=***&x=1"
 
 
 # -- the memory pool's lent share -----------------------------------------------------------

@@ -17,8 +17,9 @@ import contextlib
 import os
 import tempfile
 import threading
+import urllib.parse
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import hf_xet
@@ -139,7 +140,48 @@ def _timeout_client() -> Any:
 
     client = _http.default_client_factory()
     client.timeout = _http_timeout_s
+    inner = getattr(client, "_transport", None)  # httpx's (httpx2's) default transport
+    if inner is not None and hasattr(inner, "handle_request"):
+        client._transport = _ReportingTransport(inner)  # type: ignore[assignment]  # duck-typed
     return client
+
+
+class _ReportingTransport:
+    """huggingface_hub's HTTP transport, telling the tiers of each unreachable attempt at once.
+
+    huggingface_hub retries a refused connection or a timeout five times over ~23 s before it
+    raises: a tier that learned of it only then kept saying it was healthy, and took writes
+    it could not make, all that time. Each attempt that fails to reach the host is reported
+    here to the ``HubClient``s of that host while the retries go on. An HTTP error status
+    (429, 5xx) is an answer: it is left to the call's outcome, as before.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def handle_request(self, request: Any) -> Any:
+        try:
+            response = self._inner.handle_request(request)
+        except Exception as exc:  # the network: refused, reset, timed out
+            _report(request.url.netloc, classify(exc))
+            raise
+        return response
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+_watchers: dict[bytes, set[HubClient]] = {}
+_watchers_lock = threading.Lock()
+
+
+def _report(netloc: bytes, error: HubError) -> None:
+    with _watchers_lock:
+        clients = list(_watchers.get(netloc, ()))
+    for client in clients:
+        callback = client.on_failed_attempt
+        if callback is not None:
+            callback(error)
 
 
 class HubClient:
@@ -168,6 +210,11 @@ class HubClient:
         self._lock = threading.Lock()
         self._group: Any = None
         self._session: Any = None
+        # Told of each attempt that could not reach the Hub, while huggingface_hub retries it.
+        self.on_failed_attempt: Callable[[HubError], None] | None = None
+        self._netloc = urllib.parse.urlsplit(self.api.endpoint).netloc.encode()
+        with _watchers_lock:
+            _watchers.setdefault(self._netloc, set()).add(self)
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -310,6 +357,8 @@ class HubClient:
                 os.unlink(tmp)
 
     def close(self) -> None:
+        with _watchers_lock:
+            _watchers.get(self._netloc, set()).discard(self)
         with self._lock:
             group, self._group = self._group, None
         if group is not None:

@@ -28,7 +28,8 @@ Strategy:
   downloads and verifies, ``release`` deletes); a victim being read is deleted once the last
   reader is done.
 * **Failure.** Any failed Hub call marks the tier unhealthy until ``retry_at`` (the
-  server's ``Retry-After``, else exponential backoff to 60 s): meanwhile puts are declined
+  server's ``Retry-After``, else exponential backoff to 60 s), and so does the first attempt
+  of a call that cannot reach the Hub (not ~23 s of retries later): meanwhile puts are declined
   and GETs miss at once (counted), never waiting for the network; the refresh thread probes
   the bucket and a success makes the tier healthy again. Warnings are throttled.
 """
@@ -212,6 +213,8 @@ class HFBucketTier(Tier):
 
     async def open(self) -> None:
         self._client = await self._workers.run(self._make_client)
+        if hasattr(self._client, "on_failed_attempt"):  # a test's stand-in may not report
+            self._client.on_failed_attempt = self._attempt_failed
         # Before the listing: objects over capacity at start are deleted through it.
         self._batcher = Batcher(
             self._run_batch,
@@ -793,6 +796,16 @@ class HFBucketTier(Tier):
             self._healthy = False
             self._last_error = str(exc)
         self._warn(event, kind=exc.kind, status=exc.status, error=str(exc), retry_in_s=round(backoff, 1))
+
+    def _attempt_failed(self, exc: HubError) -> None:
+        """An HTTP attempt could not reach the Hub while its call retries (client.py): stop
+        taking writes now, not when the retries give up ~23 s later. Counted as one failure
+        while healthy only: the retries that follow are the same trouble, and the call's
+        outcome is counted as ever. The refresh thread's probe makes the tier healthy again."""
+        with self._mu:
+            if not self._healthy:
+                return
+        self._failed(exc, "hf tier: the Hub is unreachable; retrying")
 
     def _succeeded(self) -> None:
         with self._mu:

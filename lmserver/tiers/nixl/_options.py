@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
+from ...sizes import MAX_SIZE
 from ..base import ConfigError
 from ..spec import TierSpec
 
@@ -102,7 +103,7 @@ def parse(spec: TierSpec) -> NixlOptions:
 
     layout = spec.choice("layout", LAYOUTS, "dynamic")
     slot_size = spec.size("slot_size", DEFAULT_SLOT_SIZE)
-    slots = spec.integer("slots", 0, minimum=0)
+    slots = spec.integer("slots", 0, minimum=0, maximum=MAX_SIZE // ALIGN)  # within the largest size
     capacity = spec.size("capacity", 0)
     direct = spec.flag("direct", False)
     if direct and backend == "OBJ":

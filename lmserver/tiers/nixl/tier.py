@@ -33,6 +33,7 @@ Strategy:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import threading
@@ -62,6 +63,7 @@ _T = TypeVar("_T")
 _STRIPES = 64
 _META_THREADS = 4
 _WARN_INTERVAL_S = 10.0
+_DECLINED_REMEMBERED = 1024  # objects declined as too large, so that each is counted once
 _COUNTERS = (
     *COMMON_COUNTERS,
     "timeouts",
@@ -153,6 +155,7 @@ class NixlTier(Tier):
         self._writing: dict[str, int] = {}
         self._stripes = [threading.Lock() for _ in range(_STRIPES)]
         self._counters = dict.fromkeys(_COUNTERS, 0)
+        self._declined: collections.OrderedDict[str, int] = collections.OrderedDict()  # key: size
         self._probes = ProbeGate()
         self._healthy = True
         self._warnings = ThrottledWarnings(log, _WARN_INTERVAL_S)
@@ -341,8 +344,9 @@ class NixlTier(Tier):
             return False
         total = header_len + len(data)
         if total > self.opts.max_object or total > self.capacity:
-            self._count("declined_too_large")
-            self._warn("object larger than the nixl tier takes", size=total, limit=self.opts.max_object)
+            if self._first_decline(key, total):
+                self._count("declined_too_large")
+                self._warn("object larger than the nixl tier takes", size=total, limit=self.opts.max_object)
             return False
         guard = Guard()
         try:
@@ -738,6 +742,19 @@ class NixlTier(Tier):
     def _count(self, name: str) -> None:
         with self._mu:
             self._counters[name] += 1
+
+    def _first_decline(self, key: str, size: int) -> bool:
+        """Whether this object (key and size) is declined as too large for the first time.
+        The chain offers an object the tier declined again when memory evicts it (the write
+        behind and then the demotion): it is one object, counted once."""
+        with self._mu:
+            if self._declined.get(key) == size:
+                self._declined.move_to_end(key)
+                return False
+            self._declined[key] = size
+            if len(self._declined) > _DECLINED_REMEMBERED:
+                self._declined.popitem(last=False)
+            return True
 
     def _succeeded(self, name: str) -> None:
         with self._mu:
