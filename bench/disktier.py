@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from lmproto import ObjectMeta
-from lmserver.tiers.disk import DiskTier
+from lmserver.storage.tiers.disk import DiskTier
 
 SIZES = {"64KiB": 64 << 10, "1MiB": 1 << 20, "4MiB": 4 << 20, "32MiB": 32 << 20}
 _PIECE = 4 << 20

@@ -149,7 +149,7 @@ async def _tier_pass(
     from fakehub import TOKEN
 
     from lmproto import ObjectMeta
-    from lmserver.tiers.hf import HFBucketTier, Options
+    from lmserver.storage.tiers.hf import HFBucketTier, Options
 
     meta = ObjectMeta(1, 2, (1, 1, 1, 1), 0)
     size, total = len(blobs[0]), sum(len(b) for b in blobs)

@@ -110,9 +110,9 @@ def in_process(depth: int, batches: int, rounds: int) -> float:
     from lmproto import Command, Generation, encode_request
     from lmserver.config import ServerConfig
     from lmserver.connection import LMProtocol
-    from lmserver.memory import MemoryTier
     from lmserver.state import ServerState
-    from lmserver.store import Store
+    from lmserver.storage.memory import MemoryTier
+    from lmserver.storage.store import Store
 
     config = ServerConfig(memory_limit=64 * 1024**2)
     state = ServerState(config=config, store=Store(MemoryTier(config.memory_limit)))

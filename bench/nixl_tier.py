@@ -17,8 +17,8 @@ import time
 from collections.abc import Awaitable, Callable
 
 from lmproto import ObjectMeta
-from lmserver.tiers.nixl import NixlTier
-from lmserver.tiers.spec import TierSpec
+from lmserver.storage.tiers.nixl import NixlTier
+from lmserver.storage.tiers.spec import TierSpec
 
 MiB = 1 << 20
 META = ObjectMeta(0, 0, (0, 0, 0, 0), 0)

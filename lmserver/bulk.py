@@ -17,8 +17,7 @@ from collections.abc import Sequence
 
 from lmproto import MAX_PAGE_KEYS, UNKNOWN_SIZE, encode_page, encode_presence
 
-from ._shard import shard_index
-from .store import Store
+from .storage.store import Store
 
 
 async def delete_many(store: Store, keys: Sequence[str]) -> bytes:
@@ -38,9 +37,8 @@ def list_page(store: Store, prefix: str, after: str, limit: int) -> bytes:
     start = bisect.bisect_right(keys, after) if after else 0
     page = keys[start : start + min(limit, MAX_PAGE_KEYS)]
     more = start + len(page) < len(keys)
-    shards = store.memory.entry_dicts
     entries = []
     for key in page:
-        entry = shards[shard_index(key, len(shards))].get(key)
-        entries.append((key, UNKNOWN_SIZE if entry is None else entry.length))
+        size = store.size_in_memory(key)
+        entries.append((key, UNKNOWN_SIZE if size is None else size))
     return encode_page(entries, more)

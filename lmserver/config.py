@@ -11,8 +11,8 @@ from typing import Literal
 
 from .access import parse_networks
 from .sizes import MAX_SIZE, format_size
-from .tiers.base import ConfigError
-from .tiers.spec import TierSpec
+from .storage.tiers.base import ConfigError
+from .storage.tiers.spec import TierSpec
 
 DEFAULT_PORT = 65432
 DEFAULT_MAX_OBJECT_SIZE = 512 * 1024**2

@@ -88,10 +88,10 @@ from lmproto import (
 from . import bulk
 from ._framed import ReplyBuffer, send_nowait
 from .logs import ThrottledWarnings
-from .memory import Entry, cached_header
 from .plain import PlainTransport
 from .state import ServerState
 from .stats import server_stats
+from .storage.memory import Entry, Reader
 from .tls import write_buffer_high_water
 
 log = structlog.get_logger("lmserver.connection")
@@ -180,15 +180,38 @@ _CANNED: Final = {gen: _canned_replies(gen) for gen in Generation}
 
 def _reply_header(entry: Entry, generation: Generation) -> bytes:
     """The GET reply header of ``entry`` for ``generation`` (cached on the entry by
-    ``cached_header``: its status, length and metadata never change once stored)."""
+    ``header_for``: its status, length and metadata never change once stored)."""
     meta: ObjectMeta = entry.meta
     return encode_reply(Status.SUCCESS, entry.length, generation=generation, meta=meta)
 
 
-# One function per generation, for MemoryTier.read's header_of (which cached_header also
-# keeps as the tag of an entry's cached header): a module function is a plain call, where a
-# bound method (self._reply_header) was a generic attribute lookup that builds a method
-# object per GET (~5% of a pipelined 4 KiB GET).
+def header_for(entry: Entry, header_of: Callable[[Entry], bytes]) -> bytes:
+    """``header_of(entry)``, kept in the entry's reader cache under ``header_of`` as its tag:
+    a GET reply's header depends only on what never changes once an object is stored, so the
+    connections of one frame generation (one ``header_of``) encode it once per object.
+    Compiled, a direct call and a pointer comparison per GET."""
+    if entry.reader_tag is not header_of:
+        entry.reader_cache = header_of(entry)
+        entry.reader_tag = header_of
+    return entry.reader_cache
+
+
+class ReplyCopier(Reader):
+    """How a connection's GET copies a small object out of memory (under its shard lock):
+    the reply header, then the bytes, into the connection's reply buffer in one C call."""
+
+    def __init__(self, add_framed: Callable[[bytes, Any], object]) -> None:
+        self.add_framed = add_framed
+        self.header_of: Callable[[Entry], bytes] = _v1_reply_header  # the connection's generation
+
+    def copy(self, entry: Entry) -> None:
+        self.add_framed(header_for(entry, self.header_of), entry.buffer)
+
+
+# One function per generation, for ``header_for`` (which keeps it as the tag of an entry's
+# cached header): a module function is a plain call, where a bound method
+# (self._reply_header) was a generic attribute lookup that builds a method object per GET
+# (~5% of a pipelined 4 KiB GET).
 _V0: Final = Generation.V0
 _V1: Final = Generation.V1
 
@@ -239,8 +262,6 @@ class LMProtocol(asyncio.BufferedProtocol):
         self._canned_exist: tuple[bytes, ...] = (b"", b"")
         self._reply_header: Callable[[Entry], bytes] = _v1_reply_header  # set by _use_generation
         self._request_size = 0  # set by _use_generation
-        if self.generation is not None:
-            self._use_generation(self.generation)
         self.staging: bytearray | mmap.mmap = _NO_STAGING  # taken from the free list when needed
         self.staging_view = _EMPTY
         self.start = 0  # staged bytes not yet parsed are staging[start:end]
@@ -250,10 +271,13 @@ class LMProtocol(asyncio.BufferedProtocol):
         self.reply_buffer = ReplyBuffer()
         self._add_reply: Callable[[bytes], None] = self.reply_buffer.add
         self._copy_reply: Callable[[bytes, Any], None] = self.reply_buffer.add_framed
+        self._copier = ReplyCopier(self._copy_reply)  # what a GET hands the store
+        if self.generation is not None:
+            self._use_generation(self.generation)
         self._add_exists: Callable[..., tuple[int, int]] = self.reply_buffer.add_exists
         # What add_exists looks keys up in: the memory tier's dicts. With tiers behind memory,
         # a key memory lacks may be in one of them, so a run stops at it (Store.contains).
-        self._exist_dicts: tuple[dict[str, Any], ...] = self.store.memory.entry_dicts
+        self._exist_dicts: tuple[dict[str, Any], ...] = self.store.exist_index()
         self._exist_stops_at_miss = bool(self.store.links)
         self._send_replies: Callable[[int], int] = self.reply_buffer.send
         # Replies that are not copied (a pinned object's header and body), and the reply
@@ -775,7 +799,7 @@ class LMProtocol(asyncio.BufferedProtocol):
         want = min(len(body), max(2 * self.body_pos, self.body_pos + STAGING_SIZE))
         if want == len(body):
             want = len(entry.buffer)  # all of it: a fully charged buffer is reused later
-        if self.store.memory.grow(entry, want):
+        if self.store.grow(entry, want):
             self._body_grown(True)
         else:
             self._await(self.store.grow_wait(entry, want, self.config.put_wait_timeout), self._body_grown)
@@ -922,7 +946,7 @@ class LMProtocol(asyncio.BufferedProtocol):
         self._get_key(req.key)
 
     def _get_key(self, key: str) -> None:
-        entry = self.store.read(key, self.small_reply, self._reply_header, self._copy_reply)
+        entry = self.store.read(key, self.small_reply, self._copier)
         if entry is not None:
             self._reply_object(entry, copied=entry.length <= self.small_reply)
         elif self.store.in_lower(key):
@@ -1063,11 +1087,11 @@ class LMProtocol(asyncio.BufferedProtocol):
         entry is not pinned); else ``entry`` is pinned, and a small one is copied here and
         unpinned."""
         if not copied and entry.length <= self.small_reply:
-            self._copy_reply(cached_header(entry, self._reply_header), entry.buffer)
-            self.store.memory.unpin(entry)
+            self._copy_reply(header_for(entry, self._reply_header), entry.buffer)
+            self.store.release(entry)
             copied = True
         if not copied:
-            self._emit(cached_header(entry, self._reply_header), entry.view, pin=entry)
+            self._emit(header_for(entry, self._reply_header), entry.view, pin=entry)
         elif self.held:
             # Behind a PUT_ACK not yet answered (the buffer held nothing before it, see
             # _finish_put): it waits with the held replies, as its own bytes.
@@ -1080,7 +1104,7 @@ class LMProtocol(asyncio.BufferedProtocol):
         self._canned = _CANNED[generation]
         self._canned_hit, self._canned_miss = self._canned[_SUCCESS], self._canned[_FAIL]
         self._canned_exist = (self._canned_miss, self._canned_hit)
-        self._reply_header = _REPLY_HEADER_OF[generation]
+        self._reply_header = self._copier.header_of = _REPLY_HEADER_OF[generation]
         # Kept as a plain int: REQUEST_SIZE[generation] hashes an IntEnum, which Enum does in
         # Python, once per read.
         self._request_size = REQUEST_SIZE[generation]
@@ -1256,7 +1280,7 @@ class LMProtocol(asyncio.BufferedProtocol):
         self._process()
 
     def _unpin(self, entries: list[Entry]) -> None:
-        unpin = self.store.memory.unpin
+        unpin = self.store.release
         for entry in entries:
             unpin(entry)
 
@@ -1295,7 +1319,7 @@ class LMProtocol(asyncio.BufferedProtocol):
         if self.closed:
             # The peer left while we waited: give back what the operation handed us.
             if isinstance(result, Entry):
-                self.store.memory.unpin(result)
+                self.store.release(result)
             return
         then(result)
         self._process()

@@ -26,14 +26,14 @@ from .admission import Admission, address_of
 from .config import OptionError, ServerConfig
 from .connection import LMProtocol, sweep
 from .logs import configure_logging
-from .memory import MemoryTier
 from .plain import PlainListener, PlainTransport, listen
 from .sizes import format_size
 from .state import ServerState
 from .stats import log_periodically, native_modules, seconds_since_start, trim_idle_memory
-from .store import Store
-from .tiers.base import ConfigError, Tier
-from .tiers.spec import ChainOptions, TierSpec
+from .storage.memory import MemoryTier
+from .storage.store import Store
+from .storage.tiers.base import ConfigError, Tier
+from .storage.tiers.spec import ChainOptions, TierSpec
 from .tls import StdlibLoop, server_context
 
 if TYPE_CHECKING:
@@ -45,11 +45,11 @@ log = structlog.get_logger("lmserver.server")
 def build_tiers(config: ServerConfig) -> list[tuple[Tier, ChainOptions, str]]:
     """The tiers behind memory, in order: ``--disk`` first, then each ``--tier``, each with
     the option that configured it. Raises OptionError for a bad spec or a missing backend."""
-    from .tiers import registry
+    from .storage.tiers import registry
 
     tiers: list[tuple[Tier, ChainOptions, str]] = []
     if config.disk is not None:
-        from .tiers.disk import DiskTier
+        from .storage.tiers.disk import DiskTier
 
         disk = DiskTier(
             config.disk, capacity=config.disk_limit, fsync=config.fsync, direct=config.disk_direct

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from .access import AccessList
 from .config import ServerConfig
 from .heap import HeapTrimmer
-from .store import Store
+from .storage.store import Store
 
 if TYPE_CHECKING:
     from .admission import PendingHandshake

@@ -64,12 +64,11 @@ def native_modules() -> list[str]:
 
 async def trim_idle_memory(state: ServerState, interval: float = 30.0) -> None:
     """Every ``interval``, return pool buffers that stayed idle the whole time to the OS."""
-    pool = state.store.memory.pool
     while True:
         await asyncio.sleep(interval)
-        freed = pool.trim_unused()
+        freed = state.store.trim_idle_memory()
         if freed:
-            log.debug("idle object buffers released", bytes=freed, idle_left=pool.idle)
+            log.debug("idle object buffers released", bytes=freed)
 
 
 async def log_periodically(state: ServerState, interval: float = 60.0) -> None:
@@ -79,7 +78,7 @@ async def log_periodically(state: ServerState, interval: float = 60.0) -> None:
     last: dict[str, int] = {}
     while True:
         await asyncio.sleep(interval)
-        memory = state.store.memory.usage()
+        memory = state.store.memory_usage()
         now = {name: memory[name] for name in watched}
         counters = state.current_counters()
         now.update({k: v for k, v in counters.items() if k.startswith(("refused", "protocol", "bad"))})

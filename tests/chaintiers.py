@@ -10,9 +10,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from lmproto import ObjectMeta
-from lmserver.tiers.base import Alloc, Tier, TierUsage, Victim
-from lmserver.tiers.lru_index import LRUIndex
-from lmserver.tiers.spec import Mode, TierSpec
+from lmserver.storage.tiers.base import Alloc, Tier, TierUsage, Victim
+from lmserver.storage.tiers.lru_index import LRUIndex
+from lmserver.storage.tiers.spec import Mode, TierSpec
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,10 @@ import sqlite3
 from pathlib import Path
 
 from lmproto import ObjectMeta
-from lmserver.tiers.disk import DiskTier
-from lmserver.tiers.disk.records import Record
-from lmserver.tiers.disk.recovery import scan
-from lmserver.tiers.disk.segments import SegmentSet, data_ranges
+from lmserver.storage.tiers.disk import DiskTier
+from lmserver.storage.tiers.disk.records import Record
+from lmserver.storage.tiers.disk.recovery import scan
+from lmserver.storage.tiers.disk.segments import SegmentSet, data_ranges
 
 META = ObjectMeta(fmt=1, dtype=3, shape=(2, 16, 256, 128), location=1)
 

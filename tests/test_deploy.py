@@ -14,8 +14,8 @@ import yaml
 from lmserver.cli import health, serve
 from lmserver.config import ServerConfig
 from lmserver.sizes import parse_size
-from lmserver.tiers import registry
-from lmserver.tiers.spec import TierSpec
+from lmserver.storage.tiers import registry
+from lmserver.storage.tiers.spec import TierSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "docs" / "deploy"

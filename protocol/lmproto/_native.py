@@ -34,9 +34,9 @@ COMPILED_MODULES = (
     "lmserver._framed",
     "lmserver._shard",
     "lmserver.connection",
-    "lmserver.memory",
+    "lmserver.storage.memory",
     "lmserver.plain",
-    "lmserver.store",
+    "lmserver.storage.store",
 )
 """The modules a build compiles: the hot path (header decoders, the parse/dispatch loop, and
 the memory tier and store lookups a request makes)."""

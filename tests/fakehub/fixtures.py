@@ -77,7 +77,7 @@ TierMaker = Callable[..., Awaitable[Any]]
 
 @pytest.fixture
 async def make_tier(hub: FakeHub, tmp_path: Path, no_backoff: list[float]) -> AsyncIterator[TierMaker]:
-    from lmserver.tiers.hf import HFBucketTier, Options
+    from lmserver.storage.tiers.hf import HFBucketTier, Options
 
     made: list[Any] = []
 

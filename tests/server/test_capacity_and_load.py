@@ -10,7 +10,7 @@ import psutil
 from wire import Wire
 
 from lmproto import Command, decode_json, decode_key_lines
-from lmserver.memory import OBJECT_OVERHEAD
+from lmserver.storage.memory import OBJECT_OVERHEAD
 
 MiB = 1024 * 1024
 

@@ -19,8 +19,8 @@ from structlog.testing import capture_logs
 from wire import Wire
 
 from lmproto import Command, Generation, ObjectMeta, decode_json, decode_key_lines
-from lmserver.memory import MemoryTier, MemoryVictim
-from lmserver.tiers import registry
+from lmserver.storage.memory import MemoryTier, MemoryVictim
+from lmserver.storage.tiers import registry
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -230,7 +230,7 @@ def test_memory_evicts_what_a_tier_holds_before_what_it_does_not() -> None:
 def test_a_dirty_object_that_cannot_be_demoted_waits_for_every_clean_one() -> None:
     """The lent share is full: rather a clean object from anywhere (even past the cold end
     eviction looks at) than dropping one no tier holds."""
-    from lmserver import memory as memory_module
+    from lmserver.storage import memory as memory_module
 
     memory = MemoryTier(70 * 4 * KiB + 70 * 1024, shards=1)
     memory.clean_first = True

@@ -14,7 +14,7 @@ import psutil
 from wire import Wire
 
 from lmproto import NO_META, Command, decode_json
-from lmserver.memory import OBJECT_OVERHEAD
+from lmserver.storage.memory import OBJECT_OVERHEAD
 
 MiB = 1024 * 1024
 RSS_OVERHEAD = 16 * MiB

@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 
 from lmproto import NO_META, ObjectMeta
 from lmserver._framed import ReplyBuffer
-from lmserver.memory import OBJECT_OVERHEAD, Entry, MemoryTier
-from lmserver.pool import FIRST_SLAB_BYTES, SLAB_BYTES, BufferPool, populate, size_class
+from lmserver.connection import ReplyCopier
+from lmserver.storage.memory import OBJECT_OVERHEAD, Entry, MemoryTier
+from lmserver.storage.pool import FIRST_SLAB_BYTES, SLAB_BYTES, BufferPool, populate, size_class
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -153,8 +154,13 @@ def test_read_copies_small_objects_unpinned_and_pins_larger_ones() -> None:
     def header(key: str, length: int) -> bytes:  # a reply header, as add_framed reads one
         return struct.pack("<ii", 200, length) + key.encode()
 
+    # The Reader a connection hands in (compiled, a Reader cannot be subclassed here), with
+    # a header of the test's own.
+    copier = ReplyCopier(out.add_framed)
+    copier.header_of = lambda entry: header(entry.key, entry.length)
+
     def read(key: str, copy_up_to: int) -> Entry | None:
-        return tier.read(key, copy_up_to, lambda entry: header(entry.key, entry.length), out.add_framed)
+        return tier.read(key, copy_up_to, copier)
 
     entry = read("small", 1000)
     assert entry is not None and entry.pins == 0 and out.take() == header("small", 100) + b"s" * 100
@@ -219,7 +225,7 @@ def test_populate_changes_no_byte_inside_or_outside_the_range() -> None:
     just below the range, whatever its alignment, and nothing in or around it changes."""
     import mmap
 
-    from lmserver.pool import POPULATE_MIN, populate
+    from lmserver.storage.pool import POPULATE_MIN, populate
 
     page = mmap.PAGESIZE
     n = POPULATE_MIN // page + 4
@@ -292,7 +298,7 @@ def test_a_dropped_buffer_comes_back_fresh() -> None:
 def test_a_failed_mapping_is_a_full_pool(monkeypatch: pytest.MonkeyPatch) -> None:
     """When the OS has no mapping to give (out of memory, or of mappings), acquire answers
     as a full pool (the memory tier evicts or refuses), counts it, and drops idle buffers."""
-    from lmserver import pool as pool_module
+    from lmserver.storage import pool as pool_module
 
     pool = BufferPool(4 * MiB)
     idle = pool.acquire(MiB)
@@ -327,7 +333,7 @@ def test_slabs_refuse_transparent_huge_pages_and_stay_one_mapping() -> None:
     """On a host whose transparent huge pages are "always", a huge page could span slots (a
     4 KiB object faulting in 2 MiB): slabs are advised MADV_NOHUGEPAGE, and a populated
     range (a mapping of its own for a moment) gets the advice too and merges back."""
-    from lmserver.pool import POPULATE_MIN
+    from lmserver.storage.pool import POPULATE_MIN
 
     pool = BufferPool(64 * MiB)
     small = pool.acquire(4 * KiB)

@@ -12,8 +12,8 @@ from startup import run_lmserver, the_error
 
 from lmserver.config import OptionError
 from lmserver.server import Server
-from lmserver.tiers import registry
-from lmserver.tiers.base import Tier
+from lmserver.storage.tiers import registry
+from lmserver.storage.tiers.base import Tier
 
 # -- the configuration file: values of the wrong kind or range name the file and the key ------
 
@@ -132,7 +132,7 @@ class Unopenable(Tier):
         return []
 
     def usage(self) -> Any:
-        from lmserver.tiers.base import TierUsage
+        from lmserver.storage.tiers.base import TierUsage
 
         return TierUsage(0, 0, 0)
 

@@ -17,9 +17,9 @@ from wire import Wire
 from lmproto import Command, Generation, ObjectMeta, decode_json
 from lmserver.config import ServerConfig
 from lmserver.server import Server
-from lmserver.tiers import registry
-from lmserver.tiers.base import ConfigError
-from lmserver.tiers.spec import TierSpec
+from lmserver.storage.tiers import registry
+from lmserver.storage.tiers.base import ConfigError
+from lmserver.storage.tiers.spec import TierSpec
 
 KiB = 1024
 MiB = 1024 * KiB

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from lmproto import ObjectMeta
-from lmserver.tiers.nixl import NixlTier
-from lmserver.tiers.spec import TierSpec
+from lmserver.storage.tiers.nixl import NixlTier
+from lmserver.storage.tiers.spec import TierSpec
 
 pytest.importorskip("nixl_cu12", reason="the nixl extra is not installed")
 

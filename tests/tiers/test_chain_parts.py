@@ -11,12 +11,12 @@ import pytest
 from disktier import allocated, flip_byte
 
 from lmproto import ObjectMeta
-from lmserver.memory import OBJECT_OVERHEAD, MemoryTier, MemoryVictim
-from lmserver.pool import BufferPool
-from lmserver.tiers.base import ConfigError, TierError, Victim
-from lmserver.tiers.disk import HELD_SHARE, DiskTier
-from lmserver.tiers.lru_index import LRUIndex
-from lmserver.tiers.spec import TierSpec, chain_options
+from lmserver.storage.memory import OBJECT_OVERHEAD, MemoryTier, MemoryVictim
+from lmserver.storage.pool import BufferPool
+from lmserver.storage.tiers.base import ConfigError, TierError, Victim
+from lmserver.storage.tiers.disk import HELD_SHARE, DiskTier
+from lmserver.storage.tiers.lru_index import LRUIndex
+from lmserver.storage.tiers.spec import TierSpec, chain_options
 
 META = ObjectMeta(fmt=1, dtype=3, shape=(2, 16, 256, 128), location=1)
 KiB = 1024

@@ -1,4 +1,4 @@
-"""The DiskTier object file format (``lmserver.tiers._diskfile``), without a tier."""
+"""The DiskTier object file format (``lmserver.storage.tiers._diskfile``), without a tier."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from lmproto import ObjectMeta
-from lmserver.tiers import _diskfile
+from lmserver.storage.tiers import _diskfile
 
 META = ObjectMeta(fmt=1, dtype=3, shape=(2, 16, 256, 128), location=1)
 

@@ -14,7 +14,7 @@ from fakehub import ROUTES, FakeHub
 from fakehub.fixtures import BUCKET
 
 from lmproto import ObjectMeta
-from lmserver.tiers.hf import client
+from lmserver.storage.tiers.hf import client
 
 META = ObjectMeta(1, 2, (3, 4, 5, 6), 0)
 

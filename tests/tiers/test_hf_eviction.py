@@ -13,11 +13,11 @@ from fakehub import FakeHub
 from fakehub.fixtures import BUCKET, HANDLE, bucket_bytes, eventually
 
 from lmproto import ObjectMeta
-from lmserver.tiers import registry
-from lmserver.tiers.base import ConfigError, TierError, Victim
-from lmserver.tiers.hf import HFBucketTier
-from lmserver.tiers.hf.naming import object_name
-from lmserver.tiers.spec import TierSpec
+from lmserver.storage.tiers import registry
+from lmserver.storage.tiers.base import ConfigError, TierError, Victim
+from lmserver.storage.tiers.hf import HFBucketTier
+from lmserver.storage.tiers.hf.naming import object_name
+from lmserver.storage.tiers.spec import TierSpec
 
 META = ObjectMeta(1, 2, (3, 4, 5, 6), 0)
 OBJ = 10_000

@@ -14,9 +14,9 @@ from fakehub import FakeHub
 from fakehub.fixtures import BUCKET, bucket_bytes, eventually
 
 from lmproto import ObjectMeta
-from lmserver.tiers import _diskfile
-from lmserver.tiers.base import ConfigError
-from lmserver.tiers.hf.naming import object_name
+from lmserver.storage.tiers import _diskfile
+from lmserver.storage.tiers.base import ConfigError
+from lmserver.storage.tiers.hf.naming import object_name
 
 META = ObjectMeta(1, 2, (3, 4, 5, 6), 0)
 

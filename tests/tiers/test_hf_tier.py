@@ -13,9 +13,9 @@ from fakehub import FakeHub
 from fakehub.fixtures import BUCKET
 
 from lmproto import ObjectMeta
-from lmserver.tiers.base import ConfigError
-from lmserver.tiers.hf import parse_handle
-from lmserver.tiers.hf.naming import object_name
+from lmserver.storage.tiers.base import ConfigError
+from lmserver.storage.tiers.hf import parse_handle
+from lmserver.storage.tiers.hf.naming import object_name
 
 META = ObjectMeta(1, 2, (3, 4, 5, 6), 0)
 

@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterator
 import pytest
 from tiers.nixl_support import META, SIZES, S3Server, fetch, obj_spec, opened, payload, s3
 
-from lmserver.tiers import _diskfile, registry
-from lmserver.tiers.base import ConfigError
-from lmserver.tiers.spec import TierSpec
+from lmserver.storage.tiers import _diskfile, registry
+from lmserver.storage.tiers.base import ConfigError
+from lmserver.storage.tiers.spec import TierSpec
 
 __all__ = ["s3"]  # the module-scoped S3 server fixture
 

@@ -9,10 +9,10 @@ import pytest
 from tiers.nixl_support import META, SIZES, fetch, file_spec, opened, payload
 
 from lmproto import ObjectMeta
-from lmserver.tiers import _diskfile, registry
-from lmserver.tiers.base import ConfigError, TierError, Victim
-from lmserver.tiers.nixl import NixlTier
-from lmserver.tiers.spec import TierSpec
+from lmserver.storage.tiers import _diskfile, registry
+from lmserver.storage.tiers.base import ConfigError, TierError, Victim
+from lmserver.storage.tiers.nixl import NixlTier
+from lmserver.storage.tiers.spec import TierSpec
 
 KiB = 1024
 MiB = 1024 * KiB

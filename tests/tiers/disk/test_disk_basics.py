@@ -24,10 +24,10 @@ from disktier import (
 )
 
 from lmproto import ObjectMeta
-from lmserver.tiers import _diskfile
-from lmserver.tiers.base import ConfigError, NoSpace
-from lmserver.tiers.disk import DIRECT_MIN, DiskTier, FsyncPolicy
-from lmserver.tiers.spec import TierSpec
+from lmserver.storage.tiers import _diskfile
+from lmserver.storage.tiers.base import ConfigError, NoSpace
+from lmserver.storage.tiers.disk import DIRECT_MIN, DiskTier, FsyncPolicy
+from lmserver.storage.tiers.spec import TierSpec
 
 
 @pytest.fixture

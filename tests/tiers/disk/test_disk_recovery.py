@@ -27,9 +27,9 @@ from disktier import (
 )
 
 from lmproto import ObjectMeta
-from lmserver.tiers import _diskfile
-from lmserver.tiers.disk import DiskTier
-from lmserver.tiers.disk import index as dbindex
+from lmserver.storage.tiers import _diskfile
+from lmserver.storage.tiers.disk import DiskTier
+from lmserver.storage.tiers.disk import index as dbindex
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -165,7 +165,7 @@ async def test_a_punched_record_whose_row_stayed_is_dropped_lazily(root: Path) -
     t = await reopen(root)
     path, rec = record_of(t, "key-2")
     await t.close()
-    from lmserver.tiers.disk.segments import punch_hole
+    from lmserver.storage.tiers.disk.segments import punch_hole
 
     fd = os.open(path, os.O_RDWR)
     try:
@@ -308,8 +308,8 @@ import asyncio, sys, random
 import structlog
 structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
 from lmproto import ObjectMeta
-from lmserver.tiers.disk import DiskTier
-from lmserver.tiers.disk import index as dbindex
+from lmserver.storage.tiers.disk import DiskTier
+from lmserver.storage.tiers.disk import index as dbindex
 
 def body(key, version):
     head = f"{key}:{version}:".encode()

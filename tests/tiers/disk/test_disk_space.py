@@ -25,10 +25,10 @@ import pytest
 from disktier import META, Allocator, allocated, get, mapped, on_disk, payload, reopen, segment_files
 from structlog.testing import capture_logs
 
-from lmserver.tiers.base import Victim
-from lmserver.tiers.disk import DiskTier, FsyncPolicy
-from lmserver.tiers.disk import tier as disk_tier_module
-from lmserver.tiers.disk import writer as disk_writer
+from lmserver.storage.tiers.base import Victim
+from lmserver.storage.tiers.disk import DiskTier, FsyncPolicy
+from lmserver.storage.tiers.disk import tier as disk_tier_module
+from lmserver.storage.tiers.disk import writer as disk_writer
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -166,7 +166,7 @@ async def test_space_comes_back_without_hole_punching(root: Path, monkeypatch: p
     """A filesystem that cannot punch holes: evicted records' blocks come back with their
     whole segment, counted until then, so the capacity still holds; writing goes on."""
     monkeypatch.setattr(disk_tier_module, "punch_works", lambda directory: False)
-    monkeypatch.setattr("lmserver.tiers.disk.writer.SEGMENT_BYTES", 256 << 10)
+    monkeypatch.setattr("lmserver.storage.tiers.disk.writer.SEGMENT_BYTES", 256 << 10)
     capacity = 2 << 20
     t = DiskTier(root, capacity=capacity)
     with capture_logs() as logs:
@@ -316,7 +316,7 @@ import asyncio, resource, signal, sys
 import structlog
 structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
 from lmproto import ObjectMeta
-from lmserver.tiers.disk import DiskTier
+from lmserver.storage.tiers.disk import DiskTier
 
 async def main(root):
     t = DiskTier(root, capacity=64 << 20)

@@ -17,9 +17,9 @@ TierFactory = Callable[[TierSpec], Tier]
 
 KINDS: dict[str, tuple[str, str | None]] = {
     # kind: ("module:Class", the pip extra that brings its library)
-    "disk": ("lmserver.tiers.disk:DiskTier", None),
-    "nixl": ("lmserver.tiers.nixl:NixlTier", "nixl"),
-    "hf": ("lmserver.tiers.hf:HFBucketTier", "hf"),
+    "disk": ("lmserver.storage.tiers.disk:DiskTier", None),
+    "nixl": ("lmserver.storage.tiers.nixl:NixlTier", "nixl"),
+    "hf": ("lmserver.storage.tiers.hf:HFBucketTier", "hf"),
 }
 _extra_kinds: dict[str, TierFactory] = {}
 

@@ -28,7 +28,7 @@ import time
 from types import ModuleType
 from typing import Any
 
-from ... import hardexit
+from .... import hardexit
 from ..base import ConfigError, TierError
 
 _APIS = ("nixl_cu12._api", "nixl_cu13._api")

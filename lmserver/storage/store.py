@@ -52,14 +52,14 @@ import structlog
 
 from lmproto import ObjectMeta
 
+from ..logs import ThrottledWarnings
 from .chain import Link
-from .logs import ThrottledWarnings
-from .memory import CopyOut, Entry, MemoryTier, MemoryVictim
+from .memory import Entry, MemoryTier, MemoryVictim, Reader
 from .tiers.base import NoSpace, Tier, TierError, Victim
 from .tiers.spec import ChainOptions
 from .tiers.threaded import Workers
 
-log = structlog.get_logger("lmserver.store")
+log = structlog.get_logger("lmserver.storage.store")
 throttled = ThrottledWarnings(log)
 
 DIRTY_SHARE = 2
@@ -150,6 +150,10 @@ class Store:
                 return entry
             if not await self._wait_for_space(deadline):
                 return None
+
+    def grow(self, entry: Entry, charged: int) -> bool:
+        """Charge a reservation up to ``charged`` bytes now (``MemoryTier.grow``)."""
+        return self.memory.grow(entry, charged)
 
     async def grow_wait(self, entry: Entry, charged: int, max_wait: float) -> bool:
         """``MemoryTier.grow``, waiting up to ``max_wait`` seconds for pinned memory."""
@@ -394,17 +398,24 @@ class Store:
 
     # -- GET ----------------------------------------------------------------------------
 
-    def read(
-        self, key: str, copy_up_to: int, header_of: Callable[[Entry], bytes], copy: CopyOut
-    ) -> Entry | None:
-        """A memory hit as ``MemoryTier.read`` gives it (small objects copied out with
-        ``copy``, behind ``header_of(entry)``; larger ones pinned: the caller unpins once
-        sent), else None."""
-        entry = self.memory.read(key, copy_up_to, header_of, copy)
+    def read(self, key: str, copy_up_to: int, reader: Reader) -> Entry | None:
+        r"""A memory hit as ``MemoryTier.read`` gives it (small objects copied out by
+        ``reader``; larger ones pinned: the caller ``release``\ s them once sent), else None."""
+        entry = self.memory.read(key, copy_up_to, reader)
         if entry is not None:
             for link in self.links:
                 link.tier.touch(key)
         return entry
+
+    def release(self, entry: Entry) -> None:
+        """Done with an entry ``read``, ``fetch`` or ``reserve`` handed out pinned."""
+        self.memory.unpin(entry)
+
+    def exist_index(self) -> tuple[dict[str, Entry], ...]:
+        """Memory's key -> entry dicts, one per shard (``Store.contains`` for memory, without
+        a lock: one atomic dict lookup), for the connection's EXIST path in C
+        (``ReplyBuffer.add_exists``). A key they lack may be behind memory when ``links``."""
+        return self.memory.entry_dicts
 
     def in_lower(self, key: str) -> bool:
         """Whether a GET that missed memory should look behind it (a shared tier that
@@ -518,6 +529,17 @@ class Store:
         return list(itertools.islice(_unique(heapq.merge(*sources)), limit))
 
     # -- reporting ------------------------------------------------------------------------
+
+    def size_in_memory(self, key: str) -> int | None:
+        """The length of ``key``'s object if memory holds it (no I/O, no recency change)."""
+        return self.memory.length_of(key)
+
+    def trim_idle_memory(self) -> int:
+        """Give the OS back object buffers that stayed idle since the last call; the bytes."""
+        return self.memory.pool.trim_unused()
+
+    def memory_usage(self) -> dict[str, int]:
+        return self.memory.usage()
 
     def stats(self) -> dict[str, Any]:
         tiers: dict[str, Any] = {"memory": self.memory.usage()}

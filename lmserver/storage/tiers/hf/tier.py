@@ -52,7 +52,7 @@ import structlog
 
 from lmproto import ObjectMeta
 
-from ...logs import ThrottledWarnings
+from ....logs import ThrottledWarnings
 from .. import _diskfile
 from ..base import COMMON_COUNTERS, Alloc, ConfigError, Tier, TierError, TierUsage, Victim
 from ..lru_index import LRUIndex

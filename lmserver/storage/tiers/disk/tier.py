@@ -58,7 +58,7 @@ import structlog
 
 from lmproto import ObjectMeta
 
-from ...logs import ThrottledWarnings
+from ....logs import ThrottledWarnings
 from .. import _diskfile
 from ..base import COMMON_COUNTERS, Alloc, ConfigError, Tier, TierUsage
 from ..lru_index import LRUIndex
@@ -73,7 +73,7 @@ from .space import RECLAIM_WAIT_S, Reclaimer, Space, default_ahead
 from .victim import DiskVictim
 from .writer import COMBINE_MAX, Append, FsyncPolicy, LogWriter
 
-log = structlog.get_logger("lmserver.tiers.disk")
+log = structlog.get_logger("lmserver.storage.tiers.disk")
 
 FSYNC_POLICIES: tuple[FsyncPolicy, ...] = ("always", "batch", "never")
 DEFAULT_FSYNC: FsyncPolicy = "never"

@@ -32,7 +32,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
-from ..sizes import MAX_SIZE, format_size, parse_size
+from ...sizes import MAX_SIZE, format_size, parse_size
 from .base import ConfigError
 
 Mode = Literal["write-behind", "demote"]

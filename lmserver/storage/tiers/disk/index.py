@@ -30,7 +30,7 @@ import structlog
 
 from lmproto import ObjectMeta
 
-from ...logs import ThrottledWarnings
+from ....logs import ThrottledWarnings
 from .records import Record
 
 log = structlog.get_logger(__name__)

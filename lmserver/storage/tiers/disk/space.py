@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import structlog
 
-from ...logs import ThrottledWarnings
+from ....logs import ThrottledWarnings
 from ..lru_index import LRUIndex
 from .records import Record
 from .segments import SegmentSet, punch_hole

@@ -3,7 +3,7 @@
 Strategy: the memory tier is special (it owns the buffers the connection receives into and
 sends from, and is used synchronously on the event loop), so it is not one of these. Every
 tier *behind* it is asynchronous and byte-oriented, and knows nothing of the other tiers:
-the Store (``lmserver/store.py``) chains them, decides what is written where, and keeps
+the Store (``lmserver/storage/store.py``) chains them, decides what is written where, and keeps
 per-key order across the chain.
 
 * ``put`` takes the object as a read-only buffer that stays valid and unchanged until the

@@ -34,7 +34,7 @@ from sortedcontainers import SortedSet
 
 from lmproto import NO_META, ObjectMeta
 
-from ._shard import ShardLock, shard_index
+from .._shard import ShardLock, shard_index
 from .pool import Buffer, BufferPool, populate, size_class
 from .tiers.base import Victim
 
@@ -52,8 +52,8 @@ class Entry:
         "live",
         "meta",
         "pins",
-        "reply_header",
-        "reply_header_of",
+        "reader_cache",
+        "reader_tag",
         "tick",
     )
 
@@ -68,10 +68,10 @@ class Entry:
         self.lent = False  # evicted and being demoted: its buffer is in the pool's lent share
         self.clean = False  # a tier behind memory holds this version (see MemoryTier)
         self.tick = 0
-        # A reader's cache of this object's reply header (see cached_header): what the
-        # function reply_header_of made of it, for one such function at a time.
-        self.reply_header = b""
-        self.reply_header_of: object = None
+        # Bytes a ``Reader`` derived from what never changes once the object is stored (its
+        # length and metadata), kept here for it under its tag; the tier never reads them.
+        self.reader_cache = b""
+        self.reader_tag: object = None
 
     @property
     def view(self) -> memoryview:
@@ -79,17 +79,18 @@ class Entry:
         return memoryview(self.buffer)[: self.length]
 
 
-def cached_header(entry: Entry, header_of: Callable[[Entry], bytes]) -> bytes:
-    """``header_of(entry)``, cached on the entry: a reader's header for the object (a GET
-    reply's), which must depend only on what never changes once it is stored (its length and
-    metadata). One function's answer is kept at a time, so readers that use one function (all
-    of a server's connections of one frame generation) call it once per object. Compiled, this
-    is a direct call and a pointer comparison per GET, where calling ``header_of`` to look in
-    its own cache was a generic call per GET."""
-    if entry.reply_header_of is not header_of:
-        entry.reply_header = header_of(entry)
-        entry.reply_header_of = header_of
-    return entry.reply_header
+class Reader:
+    """What copies a small object out of the tier while its shard lock is held (so its buffer
+    cannot be reused meanwhile): a connection's replies subclass it, once per connection, and
+    frame the copy as they need to; the tier knows nothing of the framing. A native class
+    (compiled), so ``read``'s call of ``copy`` is a direct one."""
+
+    def copy(self, entry: Entry) -> None:
+        """Copy ``entry``'s bytes out (they are ``entry.buffer[:entry.length]``)."""
+
+
+_NOTHING_COPIED: Final = Reader()
+"""``get`` copies nothing (it reads with ``copy_up_to`` -1)."""
 
 
 class MemoryVictim(Victim):
@@ -127,20 +128,6 @@ class MemoryCounters:
 # Compiled (mypyc), a name imported from a module that is not compiled is looked up in this
 # module's dict on every call unless it is Final (a C static).
 _shard_index: Final = shard_index
-
-
-CopyOut = Callable[[bytes, Buffer], object]
-"""How ``MemoryTier.read`` copies a small object out: ``copy(header, buffer)``, ``header`` what
-the reader's ``header_of`` made of the entry (so it knows the object's length: a reply header
-announces it) and ``buffer`` the buffer the object begins."""
-
-
-def _no_header(entry: Entry) -> bytes:
-    return b""
-
-
-def _no_copy(header: bytes, buffer: Buffer) -> None:
-    """``get`` copies nothing (it reads with ``copy_up_to`` -1)."""
 
 
 class _Shard:
@@ -274,18 +261,14 @@ class MemoryTier:
 
     def get(self, key: str) -> Entry | None:
         """The object under ``key``, pinned and refreshed in the LRU; the caller unpins."""
-        return self.read(key, -1, _no_header, _no_copy)
+        return self.read(key, -1, _NOTHING_COPIED)
 
-    def read(
-        self, key: str, copy_up_to: int, header_of: Callable[[Entry], bytes], copy: CopyOut
-    ) -> Entry | None:
+    def read(self, key: str, copy_up_to: int, reader: Reader) -> Entry | None:
         """``get`` for a reader that copies small objects: an object of at most
-        ``copy_up_to`` bytes is copied out as ``copy(cached_header(entry, header_of),
-        entry.buffer)``, the header telling ``copy`` the object's length as a reply's does,
-        under the shard lock (so its buffer cannot be reused meanwhile; a GET queues its
-        reply so, ``ReplyBuffer.add_framed``), and its entry comes back not
-        pinned (read only its metadata). A larger one comes back pinned, as by ``get``. None
-        for a miss. One lock round trip, where pinning and unpinning a small object took two."""
+        ``copy_up_to`` bytes is copied out by ``reader.copy(entry)`` under the shard lock (a
+        GET queues its reply so), and its entry comes back not pinned (read only its
+        metadata). A larger one comes back pinned, as by ``get``. None for a miss. One lock
+        round trip, where pinning and unpinning a small object took two."""
         shard = self._shards[_shard_index(key, len(self._shards))]  # _shard(), inlined: the GET path
         shard.acquire()  # not `with`: compiled, that is two generic method calls more per GET
         try:
@@ -296,7 +279,7 @@ class MemoryTier:
             shard.entries[key] = entry  # re-insert: most recently used goes last
             entry.tick = self._next_tick()
             if entry.length <= copy_up_to:
-                copy(cached_header(entry, header_of), entry.buffer)
+                reader.copy(entry)
             else:
                 entry.pins += 1
         finally:
@@ -316,6 +299,11 @@ class MemoryTier:
     def contains(self, key: str) -> bool:
         """Presence without touching recency."""
         return key in self._shards[_shard_index(key, len(self._shards))].entries
+
+    def length_of(self, key: str) -> int | None:
+        """The object's length, without touching recency; None if absent."""
+        entry = self._shards[_shard_index(key, len(self._shards))].entries.get(key)
+        return None if entry is None else entry.length
 
     def mark_clean(self, entry: Entry) -> None:
         """A tier behind memory now holds this version of the object."""

@@ -55,7 +55,7 @@ from typing import Any
 
 import structlog
 
-log = structlog.get_logger("lmserver.pool")
+log = structlog.get_logger("lmserver.storage.pool")
 
 _MIN_CLASS = 4096
 SLAB_BYTES = 64 << 20

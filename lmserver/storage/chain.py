@@ -23,11 +23,11 @@ from typing import Any
 
 import structlog
 
-from .logs import ThrottledWarnings
+from ..logs import ThrottledWarnings
 from .tiers.base import Tier
 from .tiers.spec import ChainOptions
 
-log = structlog.get_logger("lmserver.chain")
+log = structlog.get_logger("lmserver.storage.chain")
 throttled = ThrottledWarnings(log)
 
 COUNTERS = (

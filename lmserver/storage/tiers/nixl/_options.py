@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-from ...sizes import MAX_SIZE
+from ....sizes import MAX_SIZE
 from ..base import ConfigError
 from ..spec import TierSpec
 
