@@ -42,7 +42,7 @@ Installing a wheel writes both within moments, in no set order; an edit comes la
 
 C_HEADERS = tuple(sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "*.h"))))
 """The C headers every C twin may include (the key scan, buffers read in place): an edit to
-one makes every C twin stale, as it makes setup.py rebuild them all. None in an install."""
+one makes every C twin stale, as it makes setup.py rebuild them all. None in a wheel."""
 
 
 def pure_requested() -> bool:
