@@ -1,15 +1,16 @@
 """Build hook: compiles the server's hot path with mypyc. Everything else is in pyproject.toml.
 
-* Default: the modules in ``lmproto._native.COMPILED_MODULES`` are compiled into extension
-  modules installed beside their sources (``pip install .``, ``pip install -e .``,
-  ``python setup.py build_ext --inplace``): by mypyc, except ``HAND_WRITTEN_C``, which are
-  built from their C twin (``lmproto/_lookup.c``, ``lmserver/_framed.c``, ``lmserver/_shard.c``).
+* Default: each package's ``_native.py`` lists its compiled modules (docs/building.md), which
+  become extension modules installed beside their sources (``pip install .``,
+  ``pip install -e .``, ``python setup.py build_ext --inplace``): ``MYPYC``, compiled by mypyc
+  under their own name; ``C_TWINS``, selectors whose C twin ``<name>_c`` is built from
+  ``<name>_c.c``.
 * ``LMSERVER_COMPILE=0``: pure Python.
 * Every run first deletes compiled modules that earlier builds left in the source tree or in
   ``build/``: they would shadow the sources, or go into a wheel beside a newer build.
 * A build that cannot compile (mypyc refuses the code, or there is no C compiler) warns and
   installs pure Python instead of failing.
-* ``LMSERVER_PURE=1`` at run time ignores compiled modules that are present (lmproto/_native.py).
+* ``LMSERVER_PURE=1`` at run time ignores compiled modules that are present.
 """
 
 from __future__ import annotations
@@ -39,14 +40,22 @@ def _warn(message: str) -> None:
     print(f"lmserver setup.py: WARNING: {message}", file=sys.stderr)
 
 
+NATIVE_LISTS = (ROOT / "protocol" / "lmproto" / "_native.py", ROOT / "lmserver" / "_native.py")
+"""Where each package lists its compiled modules."""
+
+
 def _native_list(name: str) -> list[str]:
-    """A tuple of module names from protocol/lmproto/_native.py, read without importing it."""
-    tree = ast.parse((ROOT / "protocol" / "lmproto" / "_native.py").read_text())
-    for node in tree.body:
-        targets = node.targets if isinstance(node, ast.Assign) else []
-        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
-            return list(ast.literal_eval(node.value))
-    raise RuntimeError(f"{name} not found in protocol/lmproto/_native.py")
+    """The tuples of module names called ``name`` in NATIVE_LISTS, read without importing them."""
+    found: list[str] = []
+    for path in NATIVE_LISTS:
+        for node in ast.parse(path.read_text()).body:
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+                found += ast.literal_eval(node.value)
+                break
+        else:
+            raise RuntimeError(f"{name} not found in {path.relative_to(ROOT)}")
+    return found
 
 
 def _source(module: str, ext: str = ".py") -> str:
@@ -130,19 +139,19 @@ class BuildExt(build_ext):
             _remove_old_builds()
 
 
-def _c_extensions(modules: list[str]) -> list[Extension]:
-    """The hand-written C twins (``HAND_WRITTEN_C``): plain extensions, -O3 like mypyc's. They
-    may include lmproto's shared C headers (``_keyscan.h``, ``_inplace.h``)."""
-    shared = [_source("lmproto._keyscan", ".h"), _source("lmproto._inplace", ".h")]
+def _c_extensions(selectors: list[str]) -> list[Extension]:
+    """The C twins of ``selectors`` (``C_TWINS``): plain extensions, -O3 like mypyc's. They may
+    include lmproto's shared C headers (``_keyscan.h``, ``_inplace.h``)."""
+    shared = sorted(str(h.relative_to(ROOT)) for h in (ROOT / "protocol" / "lmproto").glob("*.h"))
     return [
         Extension(
-            m,
-            [_source(m, ".c")],
+            m + "_c",
+            [_source(m + "_c", ".c")],
             include_dirs=[os.path.dirname(shared[0])],
-            depends=shared,  # a change to a header rebuilds every twin
+            depends=shared,  # a change to a header rebuilds every twin (and makes each stale)
             extra_compile_args=["-O3"],
         )
-        for m in modules
+        for m in selectors
     ]
 
 
@@ -150,11 +159,9 @@ def _ext_modules() -> list[Any]:
     _remove_old_builds()
     if os.environ.get(COMPILE_ENV, "1") == "0":
         return []
-    hand_written = _native_list("HAND_WRITTEN_C")
-    by_mypyc = [m for m in _native_list("COMPILED_MODULES") if m not in hand_written]
-    mypyc = _mypyc_extensions(by_mypyc)
+    mypyc = _mypyc_extensions(_native_list("MYPYC"))
     # All or none, as BuildExt: a mypyc failure leaves no C twin either.
-    return mypyc + _c_extensions(hand_written) if mypyc else []
+    return mypyc + _c_extensions(_native_list("C_TWINS")) if mypyc else []
 
 
 setup(ext_modules=_ext_modules(), cmdclass={"build_ext": BuildExt})

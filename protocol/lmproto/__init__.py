@@ -4,7 +4,7 @@ Standard library only, no I/O. The contract is ``protocol/SPEC.md``; ``protocol/
 holds golden frames that tests replay against this package.
 """
 
-# First: with LMSERVER_PURE=1 it makes the imports below load sources, not compiled modules.
+# First: with LMSERVER_PURE=1 (or a stale build) the imports below load sources, not compiled modules.
 from . import _native  # noqa: F401
 from ._bodies import (
     MAX_CONTROL_BODY,

@@ -1,6 +1,6 @@
 /* Reading (or receiving into) a buffer object in place, for a C call that neither releases
- * the GIL nor runs Python code while it uses the memory: lmproto/_lookup.c's key scan and
- * lmserver/_framed.c's recv and reply copy. Include after <Python.h>.
+ * the GIL nor runs Python code while it uses the memory: lmproto/_lookup_c.c's key scan and
+ * lmserver/_framed_c.c's recv and reply copy. Include after <Python.h>.
  *
  * Why: PyObject_GetBuffer on a memoryview copies its whole Py_buffer and counts an export,
  * and PyBuffer_Release undoes both: ~90 instructions per buffer, three buffers per sequential

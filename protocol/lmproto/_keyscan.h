@@ -1,7 +1,7 @@
 /* The key scan of a request header, shared by the C twins that read keys in place:
- * lmproto/_lookup.c (decode_lookup, decode_lookups) and lmserver/_framed.c
+ * lmproto/_lookup_c.c (decode_lookup, decode_lookups) and lmserver/_framed_c.c
  * (ReplyBuffer.add_exists). One copy, so that both take exactly the keys the rule of SPEC.md
- * section 5 gives; lmproto/_lookup.py is the reference. Include after <Python.h>.
+ * section 5 gives; lmproto/_lookup_py.py is the reference. Include after <Python.h>.
  *
  * For an ASCII key field, the rule (drop trailing NUL padding, refuse a NUL left inside,
  * strip whitespace at both ends) is a scan of at most 150 bytes in place: no bytes object

@@ -1,25 +1,24 @@
-"""Which modules a build compiles (mypyc, or a C twin), whether they run compiled, and how to ignore them.
+"""Compiled modules: which ones lmproto has, and when they run. docs/building.md tells the scheme.
 
-Strategy: ``setup.py`` compiles the modules in ``COMPILED_MODULES`` (it reads this tuple
-from this file's source, so there is one list; mypyc compiles all but ``HAND_WRITTEN_C``,
-which have a C twin) into extension modules that sit beside their
-``.py`` sources, and Python imports an extension module before a source file of the same
-name. ``LMSERVER_PURE=1`` in the environment installs a finder that imports the sources
-instead, so one installation can run, and be tested, both ways. It is read once, when
-``lmproto`` is first imported (``lmserver`` imports ``lmproto`` first thing).
+Strategy: two kinds, each listed here for lmproto (and in lmserver/_native.py for lmserver;
+setup.py reads both lists from the source):
 
-A source edited after its build (an editable install, then a change) would otherwise be
-shadowed by the old compiled code: running code that no file shows is the worst kind of
-surprise. So a compiled module older than its source makes every compiled module load from
-source, with a warning that says how to rebuild. All of them, because compiled modules call
-each other's compiled code directly.
+* ``MYPYC``: modules mypyc compiles from their own ``.py`` into an extension module of the same
+  name beside it, which Python imports first. ``run_from_source`` puts a finder in front that
+  imports the ``.py`` instead when ``LMSERVER_PURE=1`` asks, or when a build is older than its
+  source: running code that no file shows is the worst kind of surprise, so a stale build
+  never runs, and a warning says how to rebuild.
+* ``C_TWINS``: selectors. ``<name>.py`` imports its hand-written C twin ``<name>_c`` (built from
+  ``<name>_c.c``) if ``use_c_twin`` says so, else its Python twin ``<name>_py``, the reference
+  and the pure build (the msgpack and yarl habit).
 
-Standard library only, like the rest of lmproto; lmserver's names are listed here too so that
-the finder is in place before either package imports any of them.
+``LMSERVER_PURE=1`` is the one switch for both. Standard library only, like the rest of lmproto.
 """
 
 from __future__ import annotations
 
+import glob
+import importlib
 import importlib.machinery
 import importlib.util
 import os
@@ -28,29 +27,22 @@ import warnings
 from collections.abc import Sequence
 from types import ModuleType
 
-COMPILED_MODULES = (
-    "lmproto._decode",
-    "lmproto._lookup",
-    "lmserver._framed",
-    "lmserver._shard",
-    "lmserver.connection",
-    "lmserver.storage.memory",
-    "lmserver.plain",
-    "lmserver.storage.store",
-)
-"""The modules a build compiles: the hot path (header decoders, the parse/dispatch loop, and
-the memory tier and store lookups a request makes)."""
+MYPYC = ("lmproto._decode",)
+"""lmproto's modules a build compiles with mypyc: the header decoders."""
 
-HAND_WRITTEN_C = ("lmproto._lookup", "lmserver._framed", "lmserver._shard")
-"""The modules of ``COMPILED_MODULES`` compiled from a C twin (``<module>.c`` beside its
-``.py``) rather than by mypyc. The ``.py`` stays the reference and the pure build."""
+C_TWINS = ("lmproto._lookup",)
+"""lmproto's selectors of a C twin: the key scan of bodiless headers."""
 
 PURE_ENV = "LMSERVER_PURE"
-"""Set to 1 to import the Python sources even where compiled modules are present."""
+"""Set to 1 to run the Python sources even where compiled modules are present."""
 
 STALE_AFTER = 2.0
 """Seconds a source may be newer than its compiled module before the build counts as stale.
 Installing a wheel writes both within moments, in no set order; an edit comes later."""
+
+C_HEADERS = tuple(sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "*.h"))))
+"""The C headers every C twin may include (the key scan, buffers read in place): an edit to
+one makes every C twin stale, as it makes setup.py rebuild them all. None in a wheel."""
 
 
 def pure_requested() -> bool:
@@ -58,12 +50,15 @@ def pure_requested() -> bool:
 
 
 class _SourceFirst:
-    """A meta path finder for ``COMPILED_MODULES`` that finds only their ``.py`` files."""
+    """A meta path finder for some mypyc-compiled modules that finds only their ``.py`` files."""
+
+    def __init__(self, modules: Sequence[str]) -> None:
+        self.modules = frozenset(modules)
 
     def find_spec(
         self, name: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if name not in COMPILED_MODULES or path is None:
+        if name not in self.modules or path is None:
             return None
         leaf = name.rpartition(".")[2] + ".py"
         for entry in path:
@@ -74,9 +69,7 @@ class _SourceFirst:
 
 
 def _package_folders(package: str) -> list[str]:
-    """Where ``package``'s modules live, found without importing it (lmserver may be mid-import)."""
-    if package == __package__:
-        return [os.path.dirname(os.path.abspath(__file__))]
+    """Where ``package``'s modules live, found without importing it (it may be mid-import)."""
     try:
         spec = importlib.util.find_spec(package)
     except (ImportError, ValueError):
@@ -84,62 +77,81 @@ def _package_folders(package: str) -> list[str]:
     return list(spec.submodule_search_locations or []) if spec is not None else []
 
 
-def stale_builds(modules: Sequence[str] = COMPILED_MODULES) -> list[str]:
-    """The modules whose compiled file is older than one of their sources (the ``.py``, and the
-    ``.c`` of a hand-written module) by more than STALE_AFTER."""
+def stale_builds(modules: Sequence[str]) -> list[str]:
+    """The modules whose compiled file is older than one of their sources by more than
+    STALE_AFTER: the ``.py`` of a mypyc module; the ``.c`` of a C twin, and ``C_HEADERS``."""
     stale = []
     for name in modules:
         package, _, leaf = name.rpartition(".")
         for folder in _package_folders(package):
             sources = [os.path.join(folder, leaf + ext) for ext in (".py", ".c")]
-            edited = [os.path.getmtime(s) for s in sources if os.path.isfile(s)]
+            sources = [s for s in sources if os.path.isfile(s)]
+            if any(s.endswith(".c") for s in sources):
+                sources += C_HEADERS
             suffixes = importlib.machinery.EXTENSION_SUFFIXES
             builds = [os.path.join(folder, leaf + suffix) for suffix in suffixes]
             built = [os.path.getmtime(b) for b in builds if os.path.isfile(b)]
-            if built and edited and max(edited) > max(built) + STALE_AFTER:
+            if built and sources and max(map(os.path.getmtime, sources)) > max(built) + STALE_AFTER:
                 stale.append(name)
     return stale
 
 
-def install_pure_finder() -> bool:
-    """Import the sources of ``COMPILED_MODULES`` from now on if ``LMSERVER_PURE`` asks for it,
-    or if a compiled module is older than its source (with a warning).
+def _warn_stale(stale: Sequence[str], instead: str) -> None:
+    warnings.warn(
+        f"lmserver: {', '.join(stale)} changed after it was compiled; running {instead}. "
+        "Rebuild (pip install -e ., or python setup.py build_ext --inplace) to run compiled, "
+        f"or set {PURE_ENV}=1 to say you mean it.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
-    Returns whether the finder is in place. Modules already imported stay as they are."""
-    if any(isinstance(finder, _SourceFirst) for finder in sys.meta_path):
-        return True
-    if not pure_requested():
-        stale = stale_builds()
+
+def run_from_source(modules: Sequence[str], *, also: bool = False) -> bool:
+    """Import the ``.py`` of the mypyc-compiled ``modules`` from now on if ``LMSERVER_PURE``
+    asks for it, if ``also``, or if one of them is stale (with a warning). Returns whether the
+    sources run. A package calls it before it imports any of them. All of them or none,
+    because compiled modules call each other's compiled code directly."""
+    if not (pure_requested() or also):
+        stale = stale_builds(modules)
         if not stale:
             return False
-        warnings.warn(
-            f"lmserver: {', '.join(stale)} changed after it was compiled; running every module "
-            "from source. Rebuild (pip install -e .) to run compiled, or set LMSERVER_PURE=1 "
-            "to say you mean it.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-    sys.meta_path.insert(0, _SourceFirst())
+        _warn_stale(stale, "these modules, and the compiled modules that call them, from source")
+    sys.meta_path.insert(0, _SourceFirst(modules))
+    return True
+
+
+def use_c_twin(selector: str) -> bool:
+    """Whether the selector module ``selector`` imports its C twin ``<selector>_c``: the build
+    made it, it is not older than its C source (a warning if it is), and ``LMSERVER_PURE`` is
+    unset. A C twin calls no compiled Python, so each selector decides alone."""
+    if pure_requested():
+        return False
+    twin = selector + "_c"
+    if importlib.util.find_spec(twin) is None:
+        return False  # a pure build
+    if stale_builds([twin]):
+        _warn_stale([twin], f"its Python twin {selector}_py")
+        return False
     return True
 
 
 def is_compiled(module: ModuleType) -> bool:
-    """Whether ``module`` was loaded from an extension module (a mypyc build) rather than source."""
+    """Whether ``module`` was loaded from an extension module rather than a source file."""
     return isinstance(getattr(module, "__loader__", None), importlib.machinery.ExtensionFileLoader)
 
 
+def status(mypyc: Sequence[str], c_twins: Sequence[str]) -> dict[str, bool]:
+    """Whether each of these modules runs compiled: a mypyc module loaded from its extension
+    module, a selector that imported its C twin."""
+    found = {name: is_compiled(importlib.import_module(name)) for name in mypyc}
+    found.update({name: bool(importlib.import_module(name).COMPILED) for name in c_twins})
+    return found
+
+
 def compiled() -> dict[str, bool]:
-    """For each module in ``COMPILED_MODULES`` that can be imported: whether it runs compiled."""
-    status: dict[str, bool] = {}
-    for name in COMPILED_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name.partition(".")[0]:
-                raise  # a broken build (a compiled module without its shared library, ...)
-            continue  # lmproto installed without lmserver
-        status[name] = is_compiled(module)
-    return status
+    """For each of lmproto's compiled modules: whether it runs compiled here."""
+    return status(MYPYC, C_TWINS)
 
 
-install_pure_finder()  # on first import: lmproto/__init__ imports this module before any other
+SOURCES = run_from_source(MYPYC)
+"""Whether lmproto's mypyc modules run from source (lmproto/__init__ imports this module first)."""

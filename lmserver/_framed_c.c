@@ -1,5 +1,5 @@
-/* send_nowait, recv_nowait and ReplyBuffer in C: the twins of _framed.py, which documents the behaviour and
- * is the reference (tests/test_c_twins.py compares the two). */
+/* send_nowait, recv_nowait and ReplyBuffer in C: the twins of _framed_py.py, which documents the
+ * behaviour and is the reference (tests/test_framed_twins.py compares the two). */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -443,7 +443,7 @@ static PyMethodDef buffer_methods[] = {
      "add_framed(header, buffer): a reply frame, header + the body it announces from buffer, queued."},
     {"add_exists", (PyCFunction)(void (*)(void))buffer_add_exists, METH_FASTCALL,
      "add_exists(buf, generation, start, end, shards, replies, stop_at_miss) -> (answered, hits): "
-     "see lmserver/_framed.py."},
+     "see lmserver/_framed_py.py."},
     {"send", (PyCFunction)buffer_send, METH_O,
      "send(fd) -> bytes still queued after one send(2) of them (0: all sent)."},
     {"take", (PyCFunction)buffer_take, METH_NOARGS, "take() -> everything queued, as bytes; empties it."},
@@ -457,12 +457,12 @@ static PyType_Slot buffer_slots[] = {
     {Py_tp_dealloc, buffer_dealloc},
     {Py_tp_methods, buffer_methods},
     {Py_sq_length, buffer_length},
-    {Py_tp_doc, "ReplyBuffer() -> an empty buffer of replies: see lmserver/_framed.py."},
+    {Py_tp_doc, "ReplyBuffer() -> an empty buffer of replies: see lmserver/_framed_py.py."},
     {0, NULL},
 };
 
 static PyType_Spec buffer_spec = {
-    .name = "lmserver._framed.ReplyBuffer",
+    .name = "lmserver._framed_c.ReplyBuffer",
     .basicsize = sizeof(ReplyBuffer),
     .flags = Py_TPFLAGS_DEFAULT,
     .slots = buffer_slots,
@@ -470,10 +470,10 @@ static PyType_Spec buffer_spec = {
 
 static PyMethodDef methods[] = {
     {"send_nowait", (PyCFunction)(void (*)(void))send_nowait, METH_FASTCALL,
-     "send_nowait(fd, data) -> bytes sent with one send(2), 0 if none: see lmserver/_framed.py."},
+     "send_nowait(fd, data) -> bytes sent with one send(2), 0 if none: see lmserver/_framed_py.py."},
     {"recv_nowait", (PyCFunction)(void (*)(void))recv_nowait, METH_FASTCALL,
      "recv_nowait(fd, buffer) -> bytes read with one recv(2), 0 at EOF, -1 if none yet: see "
-     "lmserver/_framed.py."},
+     "lmserver/_framed_py.py."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -496,15 +496,15 @@ static PyModuleDef_Slot slots[] = {
 
 static struct PyModuleDef framed_module = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "lmserver._framed",
-    .m_doc = "send_nowait, recv_nowait and ReplyBuffer compiled: the C twins of lmserver/_framed.py.",
+    .m_name = "lmserver._framed_c",
+    .m_doc = "send_nowait, recv_nowait and ReplyBuffer compiled: the C twins of lmserver/_framed_py.py.",
     .m_size = 0,
     .m_methods = methods,
     .m_slots = slots,
 };
 
 PyMODINIT_FUNC
-PyInit__framed(void)
+PyInit__framed_c(void)
 {
     return PyModuleDef_Init(&framed_module);
 }

@@ -1,7 +1,8 @@
-/* decode_lookup in C: the twin of _lookup.py, which documents the behaviour and is the
- * reference (a test compares the two on every kind of header). Read that file first.
+/* decode_lookup in C: the twin of _lookup_py.py, which documents the behaviour and is the
+ * reference (tests/test_lookup_twins.py compares the two on every kind of header). Read that
+ * file first.
  *
- * The key scan itself is in _keyscan.h, shared with lmserver/_framed.c. */
+ * The key scan itself is in _keyscan.h, shared with lmserver/_framed_c.c. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -9,7 +10,7 @@
 #include "_inplace.h"
 #include "_keyscan.h"
 
-#define RUN_MAX 64 /* keys per decode_lookups call: the _lookup.py twin's RUN_MAX */
+#define RUN_MAX 64 /* keys per decode_lookups call: the _lookup_py.py twin's RUN_MAX */
 
 /* (command, key) as a new tuple; steals the reference to key. */
 static PyObject *
@@ -194,11 +195,11 @@ decode_lookups_into(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 
 static PyMethodDef methods[] = {
     {"decode_lookup", (PyCFunction)(void (*)(void))decode_lookup, METH_FASTCALL,
-     "decode_lookup(buf, generation, offset=0) -> (command, key): see lmproto/_lookup.py."},
+     "decode_lookup(buf, generation, offset=0) -> (command, key): see lmproto/_lookup_py.py."},
     {"decode_lookups", (PyCFunction)(void (*)(void))decode_lookups, METH_FASTCALL,
-     "decode_lookups(buf, generation, start, end) -> (command, keys): see lmproto/_lookup.py."},
+     "decode_lookups(buf, generation, start, end) -> (command, keys): see lmproto/_lookup_py.py."},
     {"decode_lookups_into", (PyCFunction)(void (*)(void))decode_lookups_into, METH_FASTCALL,
-     "decode_lookups_into(buf, generation, start, end, keys) -> command: see lmproto/_lookup.py."},
+     "decode_lookups_into(buf, generation, start, end, keys) -> command: see lmproto/_lookup_py.py."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -215,15 +216,15 @@ static PyModuleDef_Slot slots[] = {
 
 static struct PyModuleDef lookup_module = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "lmproto._lookup",
-    .m_doc = "decode_lookup and decode_lookups compiled: the C twin of lmproto/_lookup.py.",
+    .m_name = "lmproto._lookup_c",
+    .m_doc = "decode_lookup and decode_lookups compiled: the C twin of lmproto/_lookup_py.py.",
     .m_size = 0,
     .m_methods = methods,
     .m_slots = slots,
 };
 
 PyMODINIT_FUNC
-PyInit__lookup(void)
+PyInit__lookup_c(void)
 {
     return PyModuleDef_Init(&lookup_module);
 }

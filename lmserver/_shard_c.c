@@ -1,5 +1,5 @@
-/* shard_index and ShardLock in C: the twins of _shard.py, which documents the behaviour and is
- * the reference (tests/test_c_twins.py compares the two). */
+/* shard_index and ShardLock in C: the twins of _shard_py.py, which documents the behaviour and is
+ * the reference (tests/test_shard_twins.py compares the two). */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -131,12 +131,12 @@ static PyType_Slot lock_slots[] = {
     {Py_tp_new, lock_new},
     {Py_tp_dealloc, lock_dealloc},
     {Py_tp_methods, lock_methods},
-    {Py_tp_doc, "ShardLock() -> a lock: see lmserver/_shard.py."},
+    {Py_tp_doc, "ShardLock() -> a lock: see lmserver/_shard_py.py."},
     {0, NULL},
 };
 
 static PyType_Spec lock_spec = {
-    .name = "lmserver._shard.ShardLock",
+    .name = "lmserver._shard_c.ShardLock",
     .basicsize = sizeof(ShardLock),
     .flags = Py_TPFLAGS_DEFAULT,
     .slots = lock_slots,
@@ -161,21 +161,21 @@ static PyModuleDef_Slot slots[] = {
 
 static PyMethodDef methods[] = {
     {"shard_index", (PyCFunction)(void (*)(void))shard_index, METH_FASTCALL,
-     "shard_index(key, shards) -> hash(key) % shards: see lmserver/_shard.py."},
+     "shard_index(key, shards) -> hash(key) % shards: see lmserver/_shard_py.py."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef shard_module = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "lmserver._shard",
-    .m_doc = "shard_index and ShardLock compiled: the C twins of lmserver/_shard.py.",
+    .m_name = "lmserver._shard_c",
+    .m_doc = "shard_index and ShardLock compiled: the C twins of lmserver/_shard_py.py.",
     .m_size = 0,
     .m_methods = methods,
     .m_slots = slots,
 };
 
 PyMODINIT_FUNC
-PyInit__shard(void)
+PyInit__shard_c(void)
 {
     return PyModuleDef_Init(&shard_module);
 }
