@@ -778,7 +778,7 @@ class LMProtocol(asyncio.BufferedProtocol):
         if self.store.memory.grow(entry, want):
             self._body_grown(True)
         else:
-            self._await(self.store.grow_wait(entry, want, self.config.put_wait_timeout), self._body_grown)
+            self._await(self.store.grow_wait(entry, want, self.config.memory_wait), self._body_grown)
 
     def _body_grown(self, ok: bool) -> None:
         entry, body, req = self.body_entry, self.body, self.body_request
@@ -825,7 +825,7 @@ class LMProtocol(asyncio.BufferedProtocol):
             # connection) only once it has caught up (Store.room_for).
             self.counters["put_waits_tier"] += 1
             self._await(
-                self.store.wait_for_room(req.length, self.config.put_wait_timeout),
+                self.store.wait_for_room(req.length, self.config.memory_wait),
                 lambda room: self._reserve_put(req, room),
             )
             return
@@ -840,7 +840,7 @@ class LMProtocol(asyncio.BufferedProtocol):
         if entry is None:
             self.counters["put_waits_memory"] += 1
             self._await(
-                self.store.reserve_wait(req.length, self.config.put_wait_timeout, upfront),
+                self.store.reserve_wait(req.length, self.config.memory_wait, upfront),
                 lambda entry: self._receive_put(req, entry, room),
             )
             return

@@ -86,7 +86,7 @@ class Server:
         store = Store(
             MemoryTier(config.memory_limit),
             [(tier, options) for tier, options, _ in tiers],
-            memory_wait=config.put_wait_timeout,
+            memory_wait=config.memory_wait,
             dirty_limit=config.dirty_limit,
         )
         self.state = ServerState(config=config, store=store, access=AccessList(config.allow))
