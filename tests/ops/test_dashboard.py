@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
-
-from lmserver.server import ServerThread
+from serverthread import ServerThread
 
 DASHBOARD = Path(__file__).parents[2] / "docs" / "grafana-dashboard.json"
 
