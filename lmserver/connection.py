@@ -459,7 +459,7 @@ class LMProtocol(asyncio.BufferedProtocol):
 
     def tick(self, now: float, close_idle: bool) -> None:
         """One sweep: give back an unused staging buffer, and close the connection if it is
-        past a timeout (README "Limits and timeouts"). ``close_idle``: the server is short
+        past a timeout (docs/operating.md "Limits and timeouts"). ``close_idle``: the server is short
         of connections, so idle ones past ``--idle-timeout`` make room."""
         if self.closed:
             return

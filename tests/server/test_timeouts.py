@@ -1,5 +1,5 @@
-"""Slow, stalled and idle peers: what they may hold, and for how long (README "Limits and
-timeouts"). Waits here are generous deadlines that only detect hangs."""
+"""Slow, stalled and idle peers: what they may hold, and for how long (docs/operating.md "Limits
+and timeouts"). Waits here are generous deadlines that only detect hangs."""
 
 from __future__ import annotations
 
