@@ -3,7 +3,7 @@
 ``--memory-limit`` counts object buffers (at least 4 KiB each); the key, its index entries and
 the object's record are Python objects outside it. This starts a server, stores ``--objects``
 objects of 4 KiB under keys of each ``--key-lengths``, and prints the server's RSS growth
-beyond the objects' pages, per object (README, "Limits and timeouts").
+beyond the objects' pages, per object (docs/operating.md, "Limits and timeouts").
 
     python -m bench.object_overhead
     python -m bench.object_overhead --objects 200000 --key-lengths 16,64,140

@@ -1,22 +1,45 @@
-"""Server configuration: one frozen dataclass, filled by the CLI or by tests directly."""
+"""Server configuration: one frozen dataclass, filled by the CLI or by tests directly.
+
+Strategy: each setting has one name, its field's, and its default and choices live here
+once. The command line derives every ``serve`` option from the field of the same name
+(``memory_wait``: ``--memory-wait``, ``LMSERVER_MEMORY_WAIT``, ``memory-wait`` in a
+``--config`` file): its default, and a ``Literal`` field's values as the option's choices,
+the way uvicorn's CLI reads its choices from its config's maps. The settings of the ``--disk``
+tier take their defaults and choices from the disk tier and the chain (``tiers/``), where a
+``--tier disk:...`` spec reads them too.
+"""
 
 from __future__ import annotations
 
-import logging
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from .access import parse_networks
 from .sizes import MAX_SIZE, format_size
 from .storage.tiers.base import ConfigError
-from .storage.tiers.spec import TierSpec
+from .storage.tiers.disk import (
+    DEFAULT_CAPACITY,
+    DEFAULT_DIRECT,
+    DEFAULT_FSYNC,
+    DirectPolicy,
+    DiskTier,
+    FsyncPolicy,
+)
+from .storage.tiers.spec import DEFAULT_QUEUE_BYTES, Full, TierSpec, default_full
 
 DEFAULT_PORT = 65432
 DEFAULT_MAX_OBJECT_SIZE = 512 * 1024**2
-DEFAULT_DISK_LIMIT = 64 * 1024**3
+
+Protocol = Literal["auto", "v0", "v1"]
+"""Frame generations: ``auto`` decides per connection from the first header."""
+Loop = Literal["auto", "uvloop", "asyncio"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+LogFormat = Literal["auto", "console", "json"]
+DISK_FULL = default_full(DiskTier.default_mode)
+"""``--write-behind-full``'s default: what ``full=`` defaults to for a disk tier (``wait``)."""
 
 
 def physical_memory() -> int:
@@ -36,20 +59,20 @@ def default_memory_limit() -> int:
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
-    # Frames: "auto" decides per connection from the first header.
-    protocol: Literal["auto", "v0", "v1"] = "auto"
+    protocol: Protocol = "auto"
     # Memory tier
     memory_limit: int = field(default_factory=default_memory_limit)
     max_object_size: int = DEFAULT_MAX_OBJECT_SIZE
-    # Disk tier (None: memory only)
+    # Disk tier (None: memory only), with a disk tier's own defaults
     disk: Path | None = None
-    disk_limit: int = DEFAULT_DISK_LIMIT
-    fsync: Literal["always", "batch", "never"] = "never"
-    disk_direct: Literal["auto", "off"] = "auto"  # O_DIRECT writes of large objects
+    disk_limit: int = DEFAULT_CAPACITY
+    fsync: FsyncPolicy = DEFAULT_FSYNC
+    disk_direct: DirectPolicy = DEFAULT_DIRECT  # O_DIRECT writes of large objects
     # Bytes of objects queued for the disk tier's writes (write-behind and demotion); past
     # it write_behind_full decides: wait (throttle the PUT's connection) or skip (count).
-    write_behind_limit: int = 256 * 1024**2
-    write_behind_full: Literal["wait", "skip"] = "wait"
+    # The chain's queue= and full= of any tier, with their defaults for the disk's mode.
+    write_behind_limit: int = DEFAULT_QUEUE_BYTES
+    write_behind_full: Full = DISK_FULL
     # Memory objects waiting for tier writes may hold (None: half of memory_limit).
     dirty_limit: int | None = None
     # Tiers behind memory (and behind --disk), in order: KIND:TARGET?OPTION=VALUE&...
@@ -57,18 +80,18 @@ class ServerConfig:
     # Connections and requests
     max_connections: int = 4096
     max_connections_per_address: int = 1024
-    # Timeouts (seconds; README "Limits and timeouts"). 0 turns one off.
+    # Timeouts (seconds; docs/operating.md "Limits and timeouts"). 0 turns one off.
     idle_timeout: float = 60.0  # idle connections closed after this, while over 3/4 of max_connections
     header_timeout: float = 10.0  # a request header must complete this soon after its first byte
     body_timeout: float = 30.0  # a body, or replies the peer does not read, without progress this long
     max_list_keys: int = 1_000_000
-    put_wait_timeout: float = 5.0  # how long a PUT waits for memory before it is refused
+    memory_wait: float = 5.0  # how long a PUT waits for memory before it is refused
     shutdown_timeout: float = 10.0  # graceful drain bound on SIGTERM/SIGINT
-    loop: Literal["auto", "uvloop", "asyncio"] = "auto"
+    loop: Loop = "auto"
     # Logging
-    log_level: str = "info"
-    log_format: Literal["auto", "console", "json"] = "auto"
-    # Operations (docs: README "Metrics", "Access control and TLS")
+    log_level: LogLevel = "info"
+    log_format: LogFormat = "auto"
+    # Operations (docs/operating.md "Access control and TLS", docs/metrics.md)
     allow: tuple[str, ...] = ()  # CIDRs that may connect; empty: everyone
     plain: bool = True  # serve the plain TCP port (False: TLS only)
     tls_port: int | None = None
@@ -83,7 +106,9 @@ class ServerConfig:
         (the CLI prints it and exits 2), never a failure later while serving."""
         _check(bool(self.host), "--host", "must not be empty")
         _check(0 <= self.port <= 65535, "--port", f"{self.port} is out of range 0-65535")
-        _choice("--protocol", self.protocol, ("auto", "v0", "v1"))
+        for name, values in CHOICES.items():
+            value = getattr(self, name)
+            _check(value in values, option(name), f"{value!r} is not one of {', '.join(values)}")
         _size("--memory-limit", self.memory_limit, minimum=1)
         _check(
             1 <= self.max_object_size <= 2**31 - 1,
@@ -91,10 +116,7 @@ class ServerConfig:
             "must be 1 byte to 2GiB - 1 (the protocol's int32 length)",
         )
         _size("--disk-limit", self.disk_limit, minimum=1)
-        _choice("--fsync", self.fsync, ("always", "batch", "never"))
-        _choice("--disk-direct", self.disk_direct, ("auto", "off"))
         _size("--write-behind-limit", self.write_behind_limit, minimum=0)
-        _choice("--write-behind-full", self.write_behind_full, ("wait", "skip"))
         if self.dirty_limit is not None:
             _size("--dirty-limit", self.dirty_limit, minimum=1)
         _count("--max-connections", self.max_connections, MAX_CONNECTIONS)
@@ -103,15 +125,8 @@ class ServerConfig:
         _seconds("--header-timeout", self.header_timeout)
         _seconds("--body-timeout", self.body_timeout)
         _count("--max-list-keys", self.max_list_keys, 2**31 - 1)
-        _seconds("--memory-wait", self.put_wait_timeout)
+        _seconds("--memory-wait", self.memory_wait)
         _seconds("--shutdown-timeout", self.shutdown_timeout)
-        _choice("--loop", self.loop, ("auto", "uvloop", "asyncio"))
-        _check(
-            self.log_level.upper() in logging.getLevelNamesMapping(),
-            "--log-level",
-            f"{self.log_level!r} is not a log level",
-        )
-        _choice("--log-format", self.log_format, ("auto", "console", "json"))
         if self.max_object_size > self.memory_limit:
             object.__setattr__(self, "max_object_size", self.memory_limit)
         for text in self.tiers:
@@ -153,14 +168,30 @@ MAX_CONNECTIONS = 1 << 20
 MAX_SECONDS = 1e9
 """Upper bound of every timeout (~31 years): larger ones overflow event loop timers."""
 
+FIELDS: dict[str, Field[Any]] = {f.name: f for f in fields(ServerConfig)}
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    name: get_args(kind) for name, kind in get_type_hints(ServerConfig).items() if get_origin(kind) is Literal
+}
+"""The values each ``Literal`` field may take: what ``ServerConfig`` accepts and the CLI offers."""
+
+
+def option(name: str) -> str:
+    """The command-line option of field ``name`` (``memory_wait``: ``--memory-wait``); the
+    one exception is ``tiers``, given one ``--tier`` at a time."""
+    return "--" + name.replace("_", "-")
+
+
+def default(name: str) -> Any:
+    """Field ``name``'s default; None where there is none or it is computed when the config is
+    made (``memory_limit``: half of physical memory)."""
+    value = FIELDS[name].default
+    return None if value is MISSING else value
+
 
 def _check(ok: bool, option: str, problem: str) -> None:
     if not ok:
         raise OptionError(option, problem if problem.startswith(option) else f"{option} {problem}")
-
-
-def _choice(option: str, value: str, choices: tuple[str, ...]) -> None:
-    _check(value in choices, option, f"{value!r} is not one of {', '.join(choices)}")
 
 
 def _size(option: str, value: int, *, minimum: int) -> None:

@@ -483,7 +483,7 @@ class LMProtocol(asyncio.BufferedProtocol):
 
     def tick(self, now: float, close_idle: bool) -> None:
         """One sweep: give back an unused staging buffer, and close the connection if it is
-        past a timeout (README "Limits and timeouts"). ``close_idle``: the server is short
+        past a timeout (docs/operating.md "Limits and timeouts"). ``close_idle``: the server is short
         of connections, so idle ones past ``--idle-timeout`` make room."""
         if self.closed:
             return
@@ -802,7 +802,7 @@ class LMProtocol(asyncio.BufferedProtocol):
         if self.store.grow(entry, want):
             self._body_grown(True)
         else:
-            self._await(self.store.grow_wait(entry, want, self.config.put_wait_timeout), self._body_grown)
+            self._await(self.store.grow_wait(entry, want, self.config.memory_wait), self._body_grown)
 
     def _body_grown(self, ok: bool) -> None:
         entry, body, req = self.body_entry, self.body, self.body_request
@@ -849,7 +849,7 @@ class LMProtocol(asyncio.BufferedProtocol):
             # connection) only once it has caught up (Store.room_for).
             self.counters["put_waits_tier"] += 1
             self._await(
-                self.store.wait_for_room(req.length, self.config.put_wait_timeout),
+                self.store.wait_for_room(req.length, self.config.memory_wait),
                 lambda room: self._reserve_put(req, room),
             )
             return
@@ -864,7 +864,7 @@ class LMProtocol(asyncio.BufferedProtocol):
         if entry is None:
             self.counters["put_waits_memory"] += 1
             self._await(
-                self.store.reserve_wait(req.length, self.config.put_wait_timeout, upfront),
+                self.store.reserve_wait(req.length, self.config.memory_wait, upfront),
                 lambda entry: self._receive_put(req, entry, room),
             )
             return

@@ -13,7 +13,6 @@ import resource
 import signal
 import socket
 import ssl
-import threading
 import traceback
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -86,7 +85,7 @@ class Server:
         store = Store(
             MemoryTier(config.memory_limit),
             [(tier, options) for tier, options, _ in tiers],
-            memory_wait=config.put_wait_timeout,
+            memory_wait=config.memory_wait,
             dirty_limit=config.dirty_limit,
         )
         self.state = ServerState(config=config, store=store, access=AccessList(config.allow))
@@ -307,75 +306,3 @@ def run(config: ServerConfig, describe: Callable[[OptionError], str] = str) -> i
         return loop.run_until_complete(serve())
     finally:
         loop.close()
-
-
-class ServerThread:
-    """A server on its own event loop in a background thread (tests, embedding)."""
-
-    def __init__(self, config: ServerConfig) -> None:
-        self.config = config
-        self.server: Server | None = None
-        self._loop = new_event_loop(config.loop)
-        self._thread = threading.Thread(target=self._run, name="lmserver", daemon=True)
-        self._started = threading.Event()
-        self._error: BaseException | None = None
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self.server = Server(self.config)
-        try:
-            self._loop.run_until_complete(self.server.start())
-        except BaseException as exc:
-            self._error = exc
-            self._started.set()
-            return
-        self._started.set()
-        self._loop.run_until_complete(self.server._stop.wait())
-        self._loop.run_until_complete(self.server.shutdown())
-        self._loop.close()
-
-    def start(self) -> ServerThread:
-        self._thread.start()
-        self._started.wait()
-        if self._error is not None:
-            raise self._error
-        return self
-
-    @property
-    def host(self) -> str:
-        assert self.server is not None
-        return self.server.host
-
-    @property
-    def port(self) -> int:
-        assert self.server is not None
-        return self.server.port
-
-    @property
-    def tls_port(self) -> int | None:
-        assert self.server is not None
-        return self.server.tls_port
-
-    @property
-    def metrics_port(self) -> int | None:
-        assert self.server is not None
-        return self.server.metrics_port
-
-    def call(self, fn: Any, *args: Any) -> Any:
-        """Run ``fn(*args)`` on the server's loop and return its result (for inspection)."""
-
-        async def _call() -> Any:
-            return fn(*args)
-
-        return asyncio.run_coroutine_threadsafe(_call(), self._loop).result(10)
-
-    def stop(self) -> None:
-        if self._thread.is_alive() and self.server is not None:
-            self._loop.call_soon_threadsafe(self.server.request_stop)
-            self._thread.join(self.config.shutdown_timeout + 10)
-
-    def __enter__(self) -> ServerThread:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

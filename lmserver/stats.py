@@ -31,7 +31,7 @@ def server_stats(state: ServerState) -> dict[str, Any]:
             "total": counters.get("connections_accepted", 0),
             "refused": counters.get("connections_refused", 0),
             "max": state.config.max_connections,
-            # Staging and reply buffers, outside --memory-limit (README "Limits and timeouts").
+            # Staging and reply buffers, outside --memory-limit (docs/operating.md "Limits and timeouts").
             "buffer_bytes": sum(c.buffer_bytes() for c in state.connections),
         },
         "tiers": [{"name": name, **usage} for name, usage in tiers.items()],

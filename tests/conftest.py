@@ -17,10 +17,11 @@ from typing import Any
 
 import pytest
 from serverproc import ServerProcess
+from serverthread import ServerThread
 
 from lmserver import hardexit
 from lmserver.logs import configure_logging
-from lmserver.server import ServerThread, raise_fd_limit
+from lmserver.server import raise_fd_limit
 
 raise_fd_limit()
 configure_logging("warning", "json")

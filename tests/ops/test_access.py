@@ -6,12 +6,12 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from serverthread import ServerThread
 from wire import closed_by_server, connect_from, health
 
 from lmproto import Status
 from lmserver.access import AccessList, parse_networks
 from lmserver.config import ServerConfig
-from lmserver.server import ServerThread
 
 
 def counters(thread: ServerThread) -> dict[str, int]:

@@ -18,11 +18,11 @@ from typing import Any
 import psutil
 import pytest
 from pki import Pki
+from serverthread import ServerThread
 from wire import Wire, closed_by_server, connect_from, health, raw_v0, wait_until
 
 from lmclient import Client
 from lmproto import Command, Status, decode_json
-from lmserver.server import ServerThread
 
 KiB = 1024
 MiB = 1024 * KiB

@@ -159,11 +159,11 @@ def test_lmserver_allow_takes_spaces_and_commas(monkeypatch: pytest.MonkeyPatch)
     assert [str(n) for n in allowed.networks] == ["10.0.0.0/8", "127.0.0.1/32", "::1/128"]
 
 
-def test_the_readme_example_is_a_valid_config_file(tmp_path: Path) -> None:
+def test_the_documented_example_is_a_valid_config_file(tmp_path: Path) -> None:
     from lmserver.configfile import load_default_map
 
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    section = readme.split("## Configuration file", 1)[1]
+    manual = (Path(__file__).parents[2] / "docs" / "operating.md").read_text()
+    section = manual.split("## Configuration file", 1)[1]
     example = section.split("```toml\n", 1)[1].split("```", 1)[0]
     config = tmp_path / "example.toml"
     config.write_text(example)

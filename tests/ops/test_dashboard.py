@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
-
-from lmserver.server import ServerThread
+from serverthread import ServerThread
 
 DASHBOARD = Path(__file__).parents[2] / "docs" / "grafana-dashboard.json"
 
@@ -48,6 +47,7 @@ def test_every_queried_metric_is_exported(
     assert used <= exported, sorted(used - exported)
 
 
-def test_the_readme_points_at_the_dashboard() -> None:
-    readme = (DASHBOARD.parents[1] / "README.md").read_text()
-    assert "docs/grafana-dashboard.json" in readme
+def test_the_docs_point_at_the_dashboard() -> None:
+    # The README's table of documents, and docs/metrics.md, which says what the panels show.
+    assert "(docs/grafana-dashboard.json)" in (DASHBOARD.parents[1] / "README.md").read_text()
+    assert "](grafana-dashboard.json)" in (DASHBOARD.parent / "metrics.md").read_text()

@@ -15,12 +15,12 @@ from typing import Any
 import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from serverthread import ServerThread
 from wire import Wire, wait_until
 
 from lmproto import Command, Generation, Status, decode_json
 from lmserver.metrics import LATENCY_BOUNDS, TIER_GAUGES, _tiers
 from lmserver.metrics_endpoint import MAX_CONNECTIONS
-from lmserver.server import ServerThread
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

@@ -10,10 +10,10 @@ from collections.abc import Callable
 
 import pytest
 from pki import Pki
+from serverthread import ServerThread
 
 from lmclient import AsyncClient, Client, TransportError
 from lmproto import REPLY_SIZE, Command, Generation, decode_reply, encode_request
-from lmserver.server import ServerThread
 
 BIG = 4 * 1024 * 1024
 

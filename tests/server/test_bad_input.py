@@ -154,7 +154,7 @@ def test_max_connections(make_server_thread) -> None:
 def test_put_waits_for_pinned_memory_then_is_refused(make_server_thread) -> None:
     """Admission control: memory pinned by a reader that stopped reading cannot be evicted;
     a PUT that needs it waits the configured time, then gets 507."""
-    server = make_server_thread(memory_limit=32 * 1024**2, put_wait_timeout=0.3)
+    server = make_server_thread(memory_limit=32 * 1024**2, memory_wait=0.3)
     with Wire(server.host, server.port) as writer:
         writer.put("pinned", b"p" * (24 * 1024**2))
     with Wire(server.host, server.port) as reader:

@@ -115,7 +115,7 @@ def test_full_wait_skips_nothing_and_other_connections_never_wait(make_server_th
     PUT stream's connection stops reading bodies once the queue is full, while another
     connection's GETs and EXISTs are all answered; opening the gate lets every write through."""
     gated = "dict:?gated=true&mode=write-behind&queue=1MiB&full=wait"
-    server = make_server_thread(memory_limit=64 * MiB, tiers=(gated,), put_wait_timeout=120.0)
+    server = make_server_thread(memory_limit=64 * MiB, tiers=(gated,), memory_wait=120.0)
     keys = [f"w{i}" for i in range(64)]  # 4 MiB: four times the queue
     with Wire(server.host, server.port) as reader:
         reader.send(Command.PUT, "there", value("there", 64 * KiB))
@@ -145,7 +145,7 @@ def test_full_wait_skips_nothing_and_other_connections_never_wait(make_server_th
 
 def test_full_wait_gives_up_after_memory_wait_and_says_why(make_server_thread) -> None:
     gated = "dict:?gated=true&mode=write-behind&queue=256KiB&full=wait"
-    server = make_server_thread(memory_limit=64 * MiB, tiers=(gated,), put_wait_timeout=0.1)
+    server = make_server_thread(memory_limit=64 * MiB, tiers=(gated,), memory_wait=0.1)
     with capture_logs() as logs, Wire(server.host, server.port) as w:
         w.send_raw(b"".join(w.frame(Command.PUT, f"k{i}", value(f"k{i}", 64 * KiB)) for i in range(12)))
         assert w.get("k11") == value("k11", 64 * KiB)  # stored in memory all the same

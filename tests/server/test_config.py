@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 from typing import Any
 
+import click
 import pytest
 from click.testing import CliRunner
 
-from lmserver.cli import main
-from lmserver.config import ServerConfig
+from lmserver.cli import main, serve
+from lmserver.config import CHOICES, ServerConfig, default, option
+from lmserver.storage.tiers.disk import DEFAULT_CAPACITY, FSYNC_POLICIES
 
 # (option, a bad value, a word the error must contain)
 BAD_CLI = [
@@ -78,8 +82,8 @@ BAD_CONFIG: list[dict[str, Any]] = [
     {"idle_timeout": -1.0},
     {"header_timeout": math.inf},
     {"body_timeout": math.nan},
-    {"put_wait_timeout": -1.0},
-    {"put_wait_timeout": math.nan},
+    {"memory_wait": -1.0},
+    {"memory_wait": math.nan},
     {"shutdown_timeout": math.inf},
     {"loop": "trio"},
     {"log_level": "loud"},
@@ -102,7 +106,7 @@ def test_config_accepts_the_bounds() -> None:
         write_behind_limit=0,  # a queue that holds nothing: every write-behind is skipped
         max_connections=1,
         max_list_keys=1,
-        put_wait_timeout=0.0,
+        memory_wait=0.0,
         shutdown_timeout=0.0,
     )
     assert low.max_object_size == 1
@@ -110,3 +114,24 @@ def test_config_accepts_the_bounds() -> None:
     assert high.max_object_size == 2**31 - 1
     # A larger object limit than memory is clamped to memory, as before.
     assert ServerConfig(memory_limit=1024, max_object_size=4096).max_object_size == 1024
+
+
+def test_each_setting_has_one_name_and_its_default_and_choices_come_from_the_config(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One name per setting (field, option, variable, config-file key) and one place for its
+    default and choices: ServerConfig (config.py), which the serve options read."""
+    for name in list(os.environ):
+        if name.startswith("LMSERVER_"):
+            monkeypatch.delenv(name)
+    options = {p.name: p for p in serve.params if isinstance(p, click.Option) and p.name != "config"}
+    assert set(options) == {f.name for f in dataclasses.fields(ServerConfig)}
+    params = serve.make_context("serve", []).params  # every option at its default, converted
+    for name, opt in options.items():
+        long = "--tier" if name == "tiers" else option(name)
+        assert long in opt.opts, (name, opt.opts)
+        assert opt.envvar == "LMSERVER_" + long.removeprefix("--").replace("-", "_").upper()
+        assert params[name] == default(name), name
+        if name in CHOICES:
+            assert isinstance(opt.type, click.Choice) and tuple(opt.type.choices) == CHOICES[name]
+    assert CHOICES["fsync"] == FSYNC_POLICIES and default("disk_limit") == DEFAULT_CAPACITY

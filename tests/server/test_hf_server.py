@@ -102,7 +102,7 @@ def test_a_write_behind_bucket_keeps_a_burst_larger_than_memory(
     being skipped or dropped; a fresh server serves all 40 from the bucket."""
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     spec = f"hf://buckets/{BUCKET}/burst?endpoint={fake_hub.endpoint}&mode=write-behind&window=0.01"
-    server = make_server_thread(memory_limit=32 * MiB, tiers=(spec,), put_wait_timeout=60.0)
+    server = make_server_thread(memory_limit=32 * MiB, tiers=(spec,), memory_wait=60.0)
     keys = [f"burst{i}" for i in range(40)]
     body = bytes(range(256)) * 4096  # 1 MiB
     with Wire(server.host, server.port, Generation.V1) as w:

@@ -18,8 +18,8 @@ from lmserver.storage.memory import OBJECT_OVERHEAD
 
 MiB = 1024 * 1024
 RSS_OVERHEAD = 16 * MiB
-"""What the server may hold beyond --memory-limit and its RSS at start (README "Limits and
-timeouts"): staging buffers, reply headers, interpreter churn."""
+"""What the server may hold beyond --memory-limit and its RSS at start (docs/operating.md "Limits
+and timeouts"): staging buffers, reply headers, interpreter churn."""
 
 
 @contextmanager

@@ -1,5 +1,5 @@
-"""Slow, stalled and idle peers: what they may hold, and for how long (README "Limits and
-timeouts"). Waits here are generous deadlines that only detect hangs."""
+"""Slow, stalled and idle peers: what they may hold, and for how long (docs/operating.md "Limits
+and timeouts"). Waits here are generous deadlines that only detect hangs."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ MiB = 1024 * 1024
 
 
 def test_bodiless_put_header_neither_flushes_the_cache_nor_blocks_puts(make_server_thread) -> None:
-    server = make_server_thread(memory_limit=32 * MiB, body_timeout=1.0, put_wait_timeout=0.5)
+    server = make_server_thread(memory_limit=32 * MiB, body_timeout=1.0, memory_wait=0.5)
     with Wire(server.host, server.port) as w:
         for i in range(4):
             w.put(f"kept{i}", bytes([i]) * (4 * MiB))
@@ -54,7 +54,7 @@ def test_large_put_charged_as_it_arrives_still_stores_and_reuses(make_server_thr
 def test_put_refused_mid_body_when_memory_stays_pinned(make_server_thread) -> None:
     """A body whose next charge finds memory full of objects in use waits --memory-wait,
     then gets 507; the rest of it is read and dropped, and the stream stays framed."""
-    server = make_server_thread(memory_limit=32 * MiB, put_wait_timeout=0.3)
+    server = make_server_thread(memory_limit=32 * MiB, memory_wait=0.3)
     with Wire(server.host, server.port) as w:
         w.put("pinned", b"p" * (24 * MiB))
     with Wire(server.host, server.port) as reader:

@@ -30,15 +30,15 @@ from __future__ import annotations
 import re
 import urllib.parse
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import Literal, TypeVar, get_args
 
 from ...sizes import MAX_SIZE, format_size, parse_size
 from .base import ConfigError
 
 Mode = Literal["write-behind", "demote"]
-MODES: tuple[Mode, ...] = ("write-behind", "demote")
+MODES: tuple[Mode, ...] = get_args(Mode)
 Full = Literal["wait", "skip"]
-FULL_POLICIES: tuple[Full, ...] = ("wait", "skip")
+FULL_POLICIES: tuple[Full, ...] = get_args(Full)
 DEFAULT_QUEUE_BYTES = 256 * 1024**2
 MAX_COUNT = 1024
 """Largest integer option unless a tier says otherwise: counts of threads (``workers``),

@@ -2,6 +2,7 @@
 
 from .tier import (
     DEFAULT_CAPACITY,
+    DEFAULT_DIRECT,
     DEFAULT_FSYNC,
     DIRECT_MIN,
     DIRECT_POLICIES,
@@ -14,6 +15,7 @@ from .writer import FsyncPolicy
 
 __all__ = [
     "DEFAULT_CAPACITY",
+    "DEFAULT_DIRECT",
     "DEFAULT_FSYNC",
     "DIRECT_MIN",
     "DIRECT_POLICIES",

@@ -59,7 +59,7 @@ class Config(NamedTuple):
 
 
 def config_from_spec(spec: TierSpec) -> Config:
-    """Read every option of the spec (the README lists them); ConfigError for bad ones.
+    """Read every option of the spec (docs/tiers.md lists them); ConfigError for bad ones.
     The token comes from the variable named by ``token_env`` if set, else ``token=``."""
     handle = parse_handle("hf:" + spec.target)
     for module in ("huggingface_hub", "hf_xet"):

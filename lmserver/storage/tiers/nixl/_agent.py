@@ -1,7 +1,7 @@
 """The one module that imports nixl: load the API, check GDS prerequisites, drive an agent.
 
 Strategy: everything else in the package is importable (and type-checked) without nixl.
-Facts behind the choices here are in the probe notes summarised in README.md ("NIXL tier"):
+Facts behind the choices here are in the probe notes summarised in docs/tiers.md ("The NIXL tier"):
 
 * ``nixl_cu12._api`` is imported directly: ``import nixl`` picks the cu13 build when torch
   is a CPU build, imports torch (1.2 s), and its OBJ plugin needs a CUDA library.

@@ -1,8 +1,8 @@
 """The NIXL tier's ``--tier nixl:...`` options, parsed and checked without importing nixl.
 
 Targets: a directory (``nixl:/mnt/nvme/lms``) for the file backends, or an S3 bucket and
-key prefix (``nixl:s3://bucket/prefix``) for OBJ. Every option is documented in README.md
-("NIXL tier"); this module turns them into one frozen ``NixlOptions``.
+key prefix (``nixl:s3://bucket/prefix``) for OBJ. Every option is documented in docs/tiers.md
+("The NIXL tier"); this module turns them into one frozen ``NixlOptions``.
 """
 
 from __future__ import annotations
