@@ -314,8 +314,4 @@ def registry(state: ServerState) -> CollectorRegistry:
     return registry
 
 
-def enable_latency(state: ServerState) -> None:
-    state.latency = LatencyRecorder()
-
-
 __all__ = ["LATENCY_BOUNDS", "TIER_GAUGES", "LatencyRecorder", "ServerCollector", "registry"]

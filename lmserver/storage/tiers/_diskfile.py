@@ -319,21 +319,3 @@ def read_header_at(path: str) -> tuple[Header, int]:
     if size != header.size:
         raise CorruptFile(f"file is {size} bytes, header says {header.size}")
     return header, size
-
-
-def read_object(fd: int, header_buf: bytearray, body: memoryview) -> int:
-    """Read the header into ``header_buf`` and the body into ``body``; returns bytes read.
-
-    One ``preadv`` for both when the kernel allows it; loops on short reads until EOF.
-    """
-    want = len(header_buf) + len(body)
-    got = os.preadv(fd, [header_buf, body], 0)
-    while got < want:
-        if got < len(header_buf):
-            n = os.preadv(fd, [memoryview(header_buf)[got:], body], got)
-        else:
-            n = os.preadv(fd, [body[got - len(header_buf) :]], got)
-        if n == 0:
-            break
-        got += n
-    return got

@@ -166,10 +166,6 @@ def delete_op(key: str) -> Op:
     return lambda conn: conn.execute(_DELETE, (key,))
 
 
-def delete_many_op(keys: list[str]) -> Op:
-    return lambda conn: conn.executemany(_DELETE, [(k,) for k in keys])
-
-
 def touch_op(touches: dict[str, int]) -> Op:
     params = [(recency, key, recency) for key, recency in touches.items()]
     return lambda conn: conn.executemany(_TOUCH, params)

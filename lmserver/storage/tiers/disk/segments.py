@@ -119,7 +119,6 @@ class SegmentSet:
         self._lock = threading.Lock()
         self._segments: dict[int, Segment] = {}
         self.next_id = 1
-        self.unlinked = 0  # segments removed because nothing in them lived any more
         self.on_removed: Callable[[int], None] | None = None  # told each removed segment's id
 
     def path_of(self, segment_id: int) -> str:
@@ -238,7 +237,6 @@ class SegmentSet:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(segment.path)
         os.close(segment.fd)
-        self.unlinked += 1
         if self.on_removed is not None:
             self.on_removed(segment.id)
 

@@ -63,7 +63,6 @@ class Reclaimer:
         # segment id -> bytes of released records still in it (doomed until it is unlinked).
         self._stuck: dict[int, int] = {}
         segments.on_removed = self._segment_removed
-        self.released_bytes = 0
         self.punch_calls = 0
         self._warnings = ThrottledWarnings(log)
         self._thread = threading.Thread(target=self._run, name="lmserver-disk-reclaim", daemon=True)
@@ -135,7 +134,6 @@ class Reclaimer:
                 self._segments.drop_live(rec.segment)  # may unlink the segment: after the above
             with self._cond:
                 self.pending -= freed
-                self.released_bytes += freed
                 self._cond.notify_all()
             i = j
 

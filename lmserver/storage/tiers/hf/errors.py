@@ -21,11 +21,6 @@ class HubError(TierError):
         self.status = status
         self.retry_after = retry_after
 
-    @property
-    def permanent(self) -> bool:
-        """Retrying without an operator's change will not help."""
-        return self.kind in ("not_found", "unauthorized")
-
 
 class BatchFailed(HubError):
     """The Hub rejected some operations of a batch (the others were applied)."""

@@ -169,7 +169,6 @@ class HFBucketTier(Tier):
         self._healthy = True
         self._retry_at = 0.0
         self._consecutive = 0
-        self._last_error = ""
         self._listed = False
         self._warnings = ThrottledWarnings(log, 10.0)
         self._workers = Workers(options.workers, "hf")
@@ -794,7 +793,6 @@ class HFBucketTier(Tier):
                 backoff = max(backoff, exc.retry_after)
             self._retry_at = time.monotonic() + backoff
             self._healthy = False
-            self._last_error = str(exc)
         self._warn(event, kind=exc.kind, status=exc.status, error=str(exc), retry_in_s=round(backoff, 1))
 
     def _attempt_failed(self, exc: HubError) -> None:

@@ -17,7 +17,6 @@ from ..spec import TierSpec
 
 Backend = Literal["POSIX", "GDS", "GDS_MT", "OBJ"]
 BACKENDS: tuple[Backend, ...] = ("POSIX", "GDS", "GDS_MT", "OBJ")
-FILE_BACKENDS: tuple[Backend, ...] = ("POSIX", "GDS", "GDS_MT")
 Layout = Literal["dynamic", "static"]
 LAYOUTS: tuple[Layout, ...] = ("dynamic", "static")
 
