@@ -8,12 +8,14 @@ Strategy:
 * A scrape is served on the event loop (``metrics_endpoint.py``), which owns the numbers: one
   snapshot (the STATS document plus requests by command and the latency buckets) is taken
   and formatted there, no thread and no lock involved.
-* Metrics are derived generically where the source is open-ended, so new counters show up
-  without touching this file: every per-tier numeric field becomes ``lmserver_tier_<field>``
-  (a gauge if listed in ``TIER_GAUGES``, else a counter ``..._total``) with a ``tier`` label;
-  every server counter is also exported as ``lmserver_events_total{event=...}``; every
-  numeric setting as ``lmserver_config{option=...}``; ``connections_refused_<reason>``
-  counters become reasons of ``lmserver_connections_refused_total``.
+* The server's counters are declared once in ``counters.py``, with the family and label
+  each one is a sample of (``lmserver_refusals_total{reason=...}``, ...); no family is
+  assembled by matching names. Every counter is also exported as
+  ``lmserver_events_total{event=...}``, declared or not.
+* Metrics are derived generically where the source is open-ended: every per-tier numeric
+  field becomes ``lmserver_tier_<field>`` (a gauge if declared in ``counters.TIER_GAUGES``,
+  else a counter ``..._total``) with a ``tier`` label; every numeric setting
+  ``lmserver_config{option=...}``.
 * Latency: only requests that are not answered inline (PUT bodies, PUT_ACKs waiting for the
   disk, reads from lower tiers, DELETE) are timed, into fixed buckets of plain ints. Inline
   answers (EXIST, HEALTH, LIST, STATS, memory GETs) take microseconds; they are counted in
@@ -40,6 +42,7 @@ from prometheus_client.registry import Collector
 
 from lmproto import Command
 
+from . import counters as declared
 from .state import ServerState
 from .stats import server_stats
 
@@ -49,15 +52,8 @@ LATENCY_BOUNDS = (
 """Upper bounds (seconds) of the latency buckets: 100 µs (a memory hit) to 10 s (a PUT waiting
 for memory, ``--memory-wait``)."""
 
-TIER_GAUGES = frozenset(
-    {"objects", "bytes", "capacity", "queue_depth", "queue_bytes", "queue_limit", "reserved_bytes",
-     "idle_pool_bytes", "inflight_bytes", "pool_mappings",
-     "pool_mapped_bytes", "metadata_bytes"}
-)  # fmt: skip
-"""Per-tier fields that go up and down; every other numeric field of a tier is a counter, and
-a true/false field (``healthy``) a 0/1 gauge."""
-
-_TIER_GAUGE_NAMES = {"capacity": "capacity_bytes", "queue_limit": "queue_limit_bytes"}  # base units
+TIER_GAUGES = frozenset(declared.TIER_GAUGES)
+"""Per-tier fields that go up and down (declared in counters.py)."""
 
 
 class LatencyRecorder:
@@ -120,6 +116,7 @@ class ServerCollector(Collector):
         yield from _info(doc)
         yield from _requests(doc)
         yield from _connections(doc)
+        yield from _declared(doc["counters"])
         yield from _tiers(doc["tiers"])
         yield from _store(doc["store"])
         yield from _events(doc["counters"])
@@ -145,10 +142,10 @@ def _requests(doc: dict[str, Any]) -> Iterator[Metric]:
     )
     for command in Command:
         total = by_command[command] if command < len(by_command) else 0
-        refused = counters.get(f"command_{int(command)}_refused", 0)
+        refused = counters.get(declared.command_refused(command), 0)
         name = _command_name(command)
         if command == Command.GET:
-            hits, misses = counters.get("gets_served", 0), counters.get("gets_missed", 0)
+            hits, misses = declared.stats_field(counters, "hits"), declared.stats_field(counters, "misses")
             outcomes = {"hit": hits, "miss": misses, "refused": refused}
             outcomes["other"] = max(0, total - hits - misses - refused)
         elif command == Command.EXIST:
@@ -159,45 +156,24 @@ def _requests(doc: dict[str, Any]) -> Iterator[Metric]:
         for outcome, value in outcomes.items():
             requests.add_metric([name, outcome], value)
     yield requests
-    yield CounterMetricFamily(
-        "lmserver_bad_requests",
-        "Requests that could not be served as sent (unknown command, empty or invalid key).",
-        counters.get("bad_requests", 0),
-    )
-    body_bytes = CounterMetricFamily(
-        "lmserver_object_bytes", "Object bytes stored by PUTs and sent by GET hits.", labels=["command"]
-    )
-    body_bytes.add_metric(["put"], counters.get("put_bytes", 0))
-    body_bytes.add_metric(["get"], counters.get("get_bytes", 0))
-    yield body_bytes
-    yield CounterMetricFamily(
-        "lmserver_received_bytes", "Bytes received from clients.", counters.get("bytes_received", 0)
-    )
-    waits = CounterMetricFamily(
-        "lmserver_put_admission_waits",
-        "PUTs that waited before being received, by what they waited for (memory held by "
-        "objects in use); a PUT still refused after --memory-wait is a no_space refusal.",
-        labels=["reason"],
-    )
-    for key, value in counters.items():
-        if key.startswith("put_waits_"):
-            waits.add_metric([key.removeprefix("put_waits_")], value)
-    if not any(key.startswith("put_waits_") for key in counters):
-        waits.add_metric(["memory"], 0)
-    yield waits
-    refusals = CounterMetricFamily(
-        "lmserver_refusals", "Requests refused, by reason (every command).", labels=["reason"]
-    )
-    for key, value in counters.items():
-        if key.startswith("refused_"):
-            refusals.add_metric([key.removeprefix("refused_")], value)
-    refusals.add_metric(["other"], counters.get("refused", 0))
-    yield refusals
+
+
+def _declared(counters: dict[str, int]) -> Iterator[Metric]:
+    """The families made of declared counters (counters.FAMILIES): refusals, waits, bytes, ..."""
+    for family in declared.FAMILIES:
+        samples = declared.family_samples(family, counters)
+        if family.label is None:
+            ((_, value),) = samples
+            yield CounterMetricFamily(family.name, family.help, value)
+            continue
+        metric = CounterMetricFamily(family.name, family.help, labels=[family.label])
+        for label, value in samples:
+            metric.add_metric([str(label)], value)
+        yield metric
 
 
 def _connections(doc: dict[str, Any]) -> Iterator[Metric]:
     connections = doc["connections"]
-    counters: dict[str, int] = doc["counters"]
     yield GaugeMetricFamily("lmserver_connections", "Connections open now.", connections["current"])
     yield GaugeMetricFamily(
         "lmserver_tls_handshakes",
@@ -210,19 +186,6 @@ def _connections(doc: dict[str, Any]) -> Iterator[Metric]:
         "Bytes of staging and reply buffers connections hold now (outside the memory limit).",
         connections["buffer_bytes"],
     )
-    refused = CounterMetricFamily(
-        "lmserver_connections_refused", "Connections closed at accept, by reason.", labels=["reason"]
-    )
-    by_reason = {
-        key.removeprefix("connections_refused_"): value
-        for key, value in counters.items()
-        if key.startswith("connections_refused_")
-    }
-    for reason, value in sorted(by_reason.items()):
-        refused.add_metric([reason], value)
-    # Refusals counted without a reason counter of their own (max connections, shutdown).
-    refused.add_metric(["other"], max(0, connections["refused"] - sum(by_reason.values())))
-    yield refused
 
 
 def _tier_rows(tiers: Any) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -241,8 +204,9 @@ def _tiers(tiers: Any) -> Iterator[Metric]:
             family = families.get(field)
             if family is None:
                 if field in TIER_GAUGES or isinstance(fields[field], bool):
-                    name = f"lmserver_tier_{_TIER_GAUGE_NAMES.get(field, field)}"
-                    family = GaugeMetricFamily(name, f"Tier {field} now.", labels=["tier"])
+                    name = f"lmserver_tier_{declared.TIER_GAUGE_NAMES.get(field, field)}"
+                    help_text = declared.TIER_GAUGES.get(field, f"Tier {field} now.")
+                    family = GaugeMetricFamily(name, help_text, labels=["tier"])
                 else:
                     family = CounterMetricFamily(f"lmserver_tier_{field}", f"Tier {field}.", labels=["tier"])
                 families[field] = family

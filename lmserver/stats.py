@@ -10,13 +10,15 @@ from typing import Any
 import structlog
 
 from . import __version__, compiled
+from .counters import ACTIVITY, refusals, stats_field
 from .state import ServerState
 
 log = structlog.get_logger("lmserver.stats")
 
 
 def server_stats(state: ServerState) -> dict[str, Any]:
-    """What STATS returns (protocol/SPEC.md 8.9 names the fields clients may rely on)."""
+    """What STATS returns (protocol/SPEC.md 8.9 names the fields clients may rely on); the
+    fields made of counters are declared with them (counters.py: ``Counter.stats``)."""
     counters = state.current_counters()
     store = state.store.stats()
     tiers = store.pop("tiers")
@@ -28,17 +30,17 @@ def server_stats(state: ServerState) -> dict[str, Any]:
         "connections": {
             "current": len(state.connections),
             "handshakes": len(state.handshakes),  # TLS handshakes in progress (slots held too)
-            "total": counters.get("connections_accepted", 0),
-            "refused": counters.get("connections_refused", 0),
+            "total": stats_field(counters, "connections.total"),
+            "refused": stats_field(counters, "connections.refused"),
             "max": state.config.max_connections,
             # Staging and reply buffers, outside --memory-limit (docs/operating.md "Limits and timeouts").
             "buffer_bytes": sum(c.buffer_bytes() for c in state.connections),
         },
         "tiers": [{"name": name, **usage} for name, usage in tiers.items()],
-        "hits": counters.get("gets_served", 0),
-        "misses": counters.get("gets_missed", 0),
+        "hits": stats_field(counters, "hits"),
+        "misses": stats_field(counters, "misses"),
         "evictions": list(tiers.values())[-1].get("evictions", 0),
-        "refusals": sum(v for k, v in counters.items() if k.startswith("refused") or k == "bad_requests"),
+        "refusals": refusals(counters),
         "max_object_size": state.config.max_object_size,
         "counters": dict(sorted(counters.items())),
         "store": store,
@@ -81,7 +83,7 @@ async def log_periodically(state: ServerState, interval: float = 60.0) -> None:
         memory = state.store.memory_usage()
         now = {name: memory[name] for name in watched}
         counters = state.current_counters()
-        now.update({k: v for k, v in counters.items() if k.startswith(("refused", "protocol", "bad"))})
+        now.update({name: counters[name] for name in ACTIVITY if name in counters})
         now.update(state.store.activity())  # per tier: skipped writes, demotions, failures
         delta = {k: v - last.get(k, 0) for k, v in now.items() if v != last.get(k, 0)}
         last = now
