@@ -19,7 +19,6 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from .access import parse_networks
 from .sizes import MAX_SIZE, format_size
-from .storage.tiers.base import ConfigError
 from .storage.tiers.disk import (
     DEFAULT_CAPACITY,
     DEFAULT_DIRECT,
@@ -28,6 +27,7 @@ from .storage.tiers.disk import (
     DiskTier,
     FsyncPolicy,
 )
+from .storage.tiers.errors import ConfigError
 from .storage.tiers.spec import DEFAULT_QUEUE_BYTES, Full, TierSpec, default_full
 
 DEFAULT_PORT = 65432

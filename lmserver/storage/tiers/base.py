@@ -36,23 +36,13 @@ from typing import TYPE_CHECKING, Any
 
 from lmproto import ObjectMeta
 
+from .errors import ConfigError, NoSpace, TierError
+
 if TYPE_CHECKING:
     from .spec import Mode, TierSpec
 
 Alloc = Callable[[int], memoryview]
 """Returns a writable buffer of exactly the given length, or raises NoSpace."""
-
-
-class NoSpace(Exception):
-    """A buffer or storage of the requested size cannot be had right now."""
-
-
-class TierError(Exception):
-    """A tier cannot serve a request (I/O error, unreachable backend, corrupt data)."""
-
-
-class ConfigError(ValueError):
-    """A tier's configuration is invalid or its backend is missing: a startup error."""
 
 
 @dataclass
@@ -170,3 +160,16 @@ class Tier(abc.ABC):
 
     @abc.abstractmethod
     async def close(self) -> None: ...
+
+
+__all__ = [
+    "COMMON_COUNTERS",
+    "Alloc",
+    "ConfigError",  # the errors live in errors.py (spec.py raises them too); here for tiers
+    "EvictHook",
+    "NoSpace",
+    "Tier",
+    "TierError",
+    "TierUsage",
+    "Victim",
+]

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Literal, TypeVar, get_args
 
 from ...sizes import MAX_SIZE, format_size, parse_size
-from .base import ConfigError
+from .errors import ConfigError
 
 Mode = Literal["write-behind", "demote"]
 MODES: tuple[Mode, ...] = get_args(Mode)

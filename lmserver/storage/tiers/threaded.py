@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
-from .base import TierError
+from .errors import TierError
 
 _T = TypeVar("_T")
 _P = ParamSpec("_P")

@@ -557,6 +557,10 @@ class DiskTier(Tier):
             return None
         return DiskVictim(self, key, rec, segment)
 
+    def victim_corrupt(self) -> None:
+        """A held victim failed its check when opened (victim.Holder)."""
+        self._count("corrupt")
+
     def victim_released(self, victim: DiskVictim) -> None:
         """A held victim is done with (demoted, or dropped): give its space back."""
         with self._mu:

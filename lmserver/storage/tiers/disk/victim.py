@@ -5,15 +5,23 @@ from __future__ import annotations
 import contextlib
 import mmap
 import threading
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .. import _diskfile
 from ..base import TierError, Victim
 from .records import Record
 from .segments import Segment
 
-if TYPE_CHECKING:
-    from .tier import DiskTier
+
+class Holder(Protocol):
+    """What a victim needs of the tier that evicted it (``DiskTier``, which imports this
+    module: the victim names a protocol, not the tier, so the two do not import each other)."""
+
+    def victim_corrupt(self) -> None:
+        """Count a victim found corrupt when opened."""
+
+    def victim_released(self, victim: DiskVictim) -> None:
+        """The victim is done with (demoted, or dropped): give its space back."""
 
 
 class DiskVictim(Victim):
@@ -27,7 +35,7 @@ class DiskVictim(Victim):
 
     __slots__ = ("_lock", "_map", "_released", "_tier", "record", "segment")
 
-    def __init__(self, tier: DiskTier, key: str, record: Record, segment: Segment) -> None:
+    def __init__(self, tier: Holder, key: str, record: Record, segment: Segment) -> None:
         super().__init__(key, record.body_len, record.meta)
         self._tier = tier
         self.record = record
@@ -57,11 +65,11 @@ class DiskVictim(Victim):
                 body_ok = _diskfile.checksum(whole[rec.header_len : rec.header_len + self.length]) == rec.crc
         except _diskfile.CorruptFile as exc:
             mapped.close()
-            self._tier._count("corrupt")
+            self._tier.victim_corrupt()
             raise TierError(f"evicted record is corrupt: {exc}") from exc
         if header.key != self.key or header.body_crc != rec.crc or not body_ok:
             mapped.close()
-            self._tier._count("corrupt")
+            self._tier.victim_corrupt()
             raise TierError("evicted record is corrupt")
         return mapped
 

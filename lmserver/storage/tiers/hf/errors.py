@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from ..base import TierError
+from ..errors import TierError
 
 Kind = Literal["not_found", "unauthorized", "rate_limited", "server", "client", "unreachable", "error"]
 

@@ -19,7 +19,7 @@ from typing import NamedTuple
 from lmproto import ObjectMeta
 
 from .. import _diskfile
-from ..base import ConfigError
+from ..errors import ConfigError
 
 SCHEME = "hf://buckets/"
 NAME_RE = re.compile(r"^[0-9a-f]{64}$")

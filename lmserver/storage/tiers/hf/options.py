@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
-from ..base import ConfigError
+from ..errors import ConfigError
 from .naming import Handle, parse_handle
 
 if TYPE_CHECKING:

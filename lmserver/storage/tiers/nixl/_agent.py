@@ -29,7 +29,7 @@ from types import ModuleType
 from typing import Any
 
 from .... import hardexit
-from ..base import ConfigError, TierError
+from ..errors import ConfigError, TierError
 
 _APIS = ("nixl_cu12._api", "nixl_cu13._api")
 GDS_LIBRARIES = (

@@ -31,7 +31,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ..base import TierError
+from ..errors import TierError
 from ..threaded import TierClosed, Workers, uncancellable
 from ._agent import Agent
 

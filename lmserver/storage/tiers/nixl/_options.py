@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ....sizes import MAX_SIZE
-from ..base import ConfigError
+from ..errors import ConfigError
 from ..spec import TierSpec
 
 Backend = Literal["POSIX", "GDS", "GDS_MT", "OBJ"]

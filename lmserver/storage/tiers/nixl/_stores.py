@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from .. import _diskfile
-from ..base import ConfigError, TierError
+from ..errors import ConfigError, TierError
 from ._agent import TransferTimeout
 from ._lanes import Lane
 from ._options import NixlOptions, io_length_for
