@@ -7,7 +7,7 @@ No event loop, no wakeups, no reads from the request socket: what is left is the
 per request and the kernel's send, the part that compiled code or fewer steps can shrink. It
 also measures where copying a small GET reply into the reply buffer stops beating pinning the
 object and writing two buffers (``LMProtocol.small_reply``, default ``SMALL_REPLY`` in
-lmserver/connection.py): the rows ``get copy`` and ``get pin``.
+lmserver/connection/replies.py): the rows ``get copy`` and ``get pin``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from typing import Any
 
 from lmproto import Command, Generation, ObjectMeta, encode_request
 from lmserver.config import ServerConfig
-from lmserver.connection import SMALL_REPLY, LMProtocol
+from lmserver.connection import LMProtocol
+from lmserver.connection.replies import SMALL_REPLY
 from lmserver.logs import configure_logging
 from lmserver.server import Server
 

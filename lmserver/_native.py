@@ -6,8 +6,18 @@ from __future__ import annotations
 
 from lmproto import _native
 
-MYPYC = ("lmserver.connection", "lmserver.storage.memory", "lmserver.plain", "lmserver.storage.store")
-"""lmserver's modules a build compiles with mypyc: the parse/dispatch loop, the plain
+MYPYC = (
+    "lmserver.connection.handlers",
+    "lmserver.connection.phase",
+    "lmserver.connection.protocol",
+    "lmserver.connection.replies",
+    "lmserver.connection.staging",
+    "lmserver.storage.memory",
+    "lmserver.plain",
+    "lmserver.storage.store",
+)
+"""lmserver's modules a build compiles with mypyc: the connection's parts on the request
+path (parse/dispatch, staging, replies, phase, handlers), the plain
 transport's read and write path, and the memory tier and store lookups a request makes."""
 
 C_TWINS = ("lmserver._framed", "lmserver._shard")

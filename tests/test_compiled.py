@@ -76,7 +76,7 @@ def test_what_the_build_compiled_runs_compiled() -> None:
 
 def test_pure_env_imports_the_sources() -> None:
     code = (
-        "import json, sys, lmserver, lmserver.connection\n"
+        "import json, sys, lmserver, lmserver.connection.protocol\n"
         "names = [m for m in sys.modules if m.startswith(('lmproto.', 'lmserver.'))]\n"
         "print(json.dumps([lmserver.compiled(), [sys.modules[m].__file__ for m in names]]))"
     )

@@ -23,7 +23,8 @@ from lmproto import (
     encode_request,
 )
 from lmserver.config import ServerConfig
-from lmserver.connection import STAGING_SIZE, LMProtocol
+from lmserver.connection import LMProtocol
+from lmserver.connection.staging import STAGING_SIZE
 from lmserver.server import Server
 
 GENERATIONS = [Generation.V0, Generation.V1]

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from lmproto import NO_META, ObjectMeta
 from lmserver._framed import ReplyBuffer
-from lmserver.connection import ReplyCopier
+from lmserver.connection.replies import ReplyCopier
 from lmserver.storage.memory import OBJECT_OVERHEAD, Entry, MemoryTier
 from lmserver.storage.pool import FIRST_SLAB_BYTES, SLAB_BYTES, BufferPool, populate, size_class
 

@@ -10,7 +10,7 @@ import psutil
 from wire import Wire, raw_v0, stats, wait_until
 
 from lmproto import Command
-from lmserver.connection import SMALL_REPLY
+from lmserver.connection.replies import SMALL_REPLY
 
 MiB = 1024 * 1024
 
