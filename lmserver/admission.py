@@ -3,7 +3,7 @@ read from it and before a TLS handshake begins.
 
 Strategy:
 
-* Every socket a peer holds takes one *slot*: a connection being served (``LMProtocol``) or
+* Every socket a peer holds takes one *slot*: a connection being served (``Connection``) or
   a TLS handshake in progress (``PendingHandshake``, which holds an SSL object: ~50 KiB).
   ``--max-connections`` bounds the slots, ``--max-connections-per-address`` one address's
   share of them, ``--allow`` who may take one. A refused socket is closed at once, counted
@@ -30,7 +30,7 @@ import functools
 import socket
 import ssl
 import traceback
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, cast
 
 import structlog
 
@@ -38,8 +38,7 @@ from .logs import ThrottledWarnings
 from .tls import HANDSHAKE_TIMEOUT_S
 
 if TYPE_CHECKING:
-    from .connection import LMProtocol
-    from .state import ServerState
+    from .state import Connection, Handshake, Occupant, ServerState
 
 log = structlog.get_logger("lmserver.admission")
 throttled = ThrottledWarnings(log)
@@ -52,21 +51,6 @@ NOTHING_IDLE_RETRY_S = 0.1
 at the limit with every connection busy, accepting must not cost a scan per newcomer."""
 
 
-class Occupant(Protocol):
-    """What holds a slot: an open connection or a TLS handshake in progress."""
-
-    address: str | None
-
-    def idle_since(self, now: float) -> float | None:
-        """Loop time since which it has waited for its peer with nothing in progress
-        (``now`` if it was busy moments ago), or None while it serves a request."""
-        ...
-
-    def displace(self) -> None:
-        """Close it to make room for a newcomer (counted by the occupant)."""
-        ...
-
-
 def address_of(peername: Any) -> str | None:
     """The address connections are counted by (``peername[0]``); None without one."""
     return peername[0] if isinstance(peername, tuple) and peername else None
@@ -77,7 +61,7 @@ class PendingHandshake:
     Its slot passes to the connection at ``connection_made`` (``hand_over``)."""
 
     def __init__(
-        self, address: str | None, accepted_at: float, sock: socket.socket, pending: set[PendingHandshake]
+        self, address: str | None, accepted_at: float, sock: socket.socket, pending: set[Handshake]
     ) -> None:
         self.address = address
         self.accepted_at = accepted_at
@@ -97,7 +81,7 @@ class PendingHandshake:
         if self.task is not None:
             self.task.cancel()
 
-    def hand_over(self, connection: LMProtocol) -> None:
+    def hand_over(self, connection: Connection) -> None:
         """The handshake is done: ``connection`` holds the slot (and gives it back on close)."""
         self.handed_over = True
         self._pending.discard(self)
@@ -203,7 +187,7 @@ class Admission:
     # -- TLS handshakes --------------------------------------------------------------------
 
     def handshake(
-        self, sock: socket.socket, peername: Any, context: ssl.SSLContext, connection: LMProtocol
+        self, sock: socket.socket, peername: Any, context: ssl.SSLContext, connection: Connection
     ) -> None:
         """Start the TLS handshake of an admitted socket, to be served by ``connection``;
         the handshake holds the slot meanwhile."""
@@ -214,13 +198,16 @@ class Admission:
         pending.task.add_done_callback(functools.partial(self._handshake_done, pending))
 
     async def _handshake(
-        self, pending: PendingHandshake, peername: Any, context: ssl.SSLContext, connection: LMProtocol
+        self, pending: PendingHandshake, peername: Any, context: ssl.SSLContext, connection: Connection
     ) -> None:
         sock, pending.sock = pending.sock, None  # the loop closes it from here on, whatever happens
         assert sock is not None
         try:
             await asyncio.get_running_loop().connect_accepted_socket(
-                lambda: connection, sock, ssl=context, ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S
+                lambda: cast(asyncio.BaseProtocol, connection),
+                sock,
+                ssl=context,
+                ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S,
             )
         except Exception as exc:  # a peer that is not a TLS client, or gave up: its business
             self.counters["tls_handshake_failures"] += 1

@@ -25,7 +25,6 @@ Strategy:
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -43,37 +42,12 @@ from prometheus_client.registry import Collector
 from lmproto import Command
 
 from . import counters as declared
+from .latency import LATENCY_BOUNDS, LatencyRecorder
 from .state import ServerState
 from .stats import server_stats
 
-LATENCY_BOUNDS = (
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-)  # fmt: skip
-"""Upper bounds (seconds) of the latency buckets: 100 µs (a memory hit) to 10 s (a PUT waiting
-for memory, ``--memory-wait``)."""
-
 TIER_GAUGES = frozenset(declared.TIER_GAUGES)
 """Per-tier fields that go up and down (declared in counters.py)."""
-
-
-class LatencyRecorder:
-    """Per-command histograms as plain int lists, bumped on the event loop only."""
-
-    def __init__(self, bounds: tuple[float, ...] = LATENCY_BOUNDS) -> None:
-        self.bounds = bounds
-        self.counts: dict[int, list[int]] = {}
-        self.sums: dict[int, float] = {}
-
-    def record(self, command: int, seconds: float) -> None:
-        counts = self.counts.get(command)
-        if counts is None:
-            counts = self.counts[command] = [0] * (len(self.bounds) + 1)
-            self.sums[command] = 0.0
-        counts[bisect.bisect_left(self.bounds, seconds)] += 1  # bucket "le=b" includes b
-        self.sums[command] += seconds
-
-    def copy(self) -> tuple[dict[int, list[int]], dict[int, float]]:
-        return {c: list(v) for c, v in self.counts.items()}, dict(self.sums)
 
 
 def snapshot(state: ServerState) -> dict[str, Any]:

@@ -30,14 +30,11 @@ import itertools
 import socket
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import structlog
 
 from ._framed import recv_nowait
-
-if TYPE_CHECKING:
-    from .connection import LMProtocol
 
 log = structlog.get_logger("lmserver.plain")
 
@@ -56,6 +53,33 @@ _recv_nowait: Final = recv_nowait  # compiled, a Final is a C static: no module 
 _OUT_OF_RESOURCES: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
+class Receiver(asyncio.BufferedProtocol):
+    """What a PlainTransport delivers to: a BufferedProtocol whose methods it calls directly
+    (compiled, a native call, where an ``asyncio.BufferedProtocol`` would take a generic one
+    per read). ``LMProtocol`` is one; naming the base here keeps this module free of it."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        raise NotImplementedError
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        raise NotImplementedError
+
+    def buffer_updated(self, nbytes: int) -> None:
+        raise NotImplementedError
+
+    def eof_received(self) -> bool:
+        raise NotImplementedError
+
+    def pause_writing(self) -> None:
+        raise NotImplementedError
+
+    def resume_writing(self) -> None:
+        raise NotImplementedError
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        raise NotImplementedError
+
+
 class PlainTransport:
     """One accepted TCP connection. The subset of ``asyncio.Transport`` the server uses."""
 
@@ -64,7 +88,7 @@ class PlainTransport:
         loop: asyncio.AbstractEventLoop,
         sock: socket.socket,
         peername: Any,
-        protocol: LMProtocol,
+        protocol: Receiver,
     ) -> None:
         self._loop = loop
         self._sock = sock
@@ -443,7 +467,7 @@ async def listen(host: str, port: int, accepted: Accepted, *, backlog: int) -> P
 
 
 async def create_plain_server(
-    protocol_factory: Callable[[], LMProtocol], host: str, port: int, *, backlog: int
+    protocol_factory: Callable[[], Receiver], host: str, port: int, *, backlog: int
 ) -> PlainListener:
     """``listen`` serving every accepted connection with a new protocol, no questions asked."""
     loop = asyncio.get_running_loop()

@@ -7,7 +7,7 @@ import operator
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .access import AccessList
 from .config import ServerConfig
@@ -15,18 +15,64 @@ from .heap import HeapTrimmer
 from .storage.store import Store
 
 if TYPE_CHECKING:
-    from .admission import PendingHandshake
-    from .connection import LMProtocol
-    from .metrics import LatencyRecorder
+    from .latency import LatencyRecorder
+
+
+class Occupant(Protocol):
+    """What holds a slot of --max-connections (admission.py): an open connection or a TLS
+    handshake in progress."""
+
+    address: str | None
+
+    def idle_since(self, now: float) -> float | None:
+        """Loop time since which it has waited for its peer with nothing in progress
+        (``now`` if it was busy moments ago), or None while it serves a request."""
+        ...
+
+    def displace(self) -> None:
+        """Close it to make room for a newcomer (counted by the occupant)."""
+        ...
+
+
+class Handshake(Occupant, Protocol):
+    """A TLS handshake in progress (admission.py's ``PendingHandshake``)."""
+
+    task: asyncio.Task[None] | None
+
+
+class Connection(Occupant, Protocol):
+    """An open connection (connection/protocol.py's ``LMProtocol``), as the server, the
+    sweep, STATS and admission see it. A protocol type, so this module imports no connection
+    code (and the connection's modules import this one)."""
+
+    by_command: list[int]
+    handshake: Any
+    transport: Any
+
+    def add_counts(self) -> None:
+        """Add the counts it keeps in plain ints to the server's counters and its by_command."""
+        ...
+
+    def tick(self, now: float, close_idle: bool) -> None:
+        """One sweep: check its timeouts (connection/sweep.py)."""
+        ...
+
+    def shutdown(self) -> None:
+        """Serve what it received, read nothing new, then close."""
+        ...
+
+    def buffer_bytes(self) -> int:
+        """Memory it holds outside --memory-limit (staging and reply buffers)."""
+        ...
 
 
 @dataclass
 class ServerState:
     config: ServerConfig
     store: Store
-    connections: set[LMProtocol] = field(default_factory=set)
+    connections: set[Connection] = field(default_factory=set)
     # TLS handshakes in progress: each holds a slot of --max-connections (admission.py).
-    handshakes: set[PendingHandshake] = field(default_factory=set)
+    handshakes: set[Handshake] = field(default_factory=set)
     # Slots held per peer address, connections and handshakes alike (admission.py).
     connections_per_address: Counter[str] = field(default_factory=Counter)
     heap: HeapTrimmer = field(default_factory=HeapTrimmer)  # trims the C heap after many closes

@@ -24,24 +24,6 @@ import lmserver
 
 ROOT = Path(lmserver.__file__).parent
 
-ALLOWED = frozenset(
-    {
-        "lmserver.admission",
-        "lmserver.bulk",
-        "lmserver.metrics",
-        "lmserver.plain",
-        "lmserver.state",
-        "lmserver.stats",
-    }
-)
-"""TEMPORARY: the connection cluster (these and ``lmserver.connection`` with any module under
-it) is being split (issue #35, ``lmserver/connection/``); a loop whose modules are all in it
-is tolerated until that lands. Remove this then; do not add to it."""
-
-
-def allowed(module: str) -> bool:
-    return module in ALLOWED or module == "lmserver.connection" or module.startswith("lmserver.connection.")
-
 
 def module_names() -> dict[str, Path]:
     names = {}
@@ -151,5 +133,4 @@ def test_the_checker_sees_imports_and_loops() -> None:
 
 
 def test_no_import_loops() -> None:
-    found = [component for component in loops(import_graph()) if not all(map(allowed, component))]
-    assert found == []
+    assert loops(import_graph()) == []

@@ -60,6 +60,7 @@ from lmproto import (
 )
 
 from ..logs import ThrottledWarnings
+from ..plain import Receiver
 from ..state import ServerState
 from ..storage.memory import Entry
 from ..tls import write_buffer_high_water
@@ -106,7 +107,7 @@ def _unread_input(transport: asyncio.BaseTransport) -> bool:
 
 
 @final
-class LMProtocol(asyncio.BufferedProtocol):
+class LMProtocol(Receiver):
     def __init__(self, state: ServerState, address: str | None = None) -> None:
         self.state = state
         self.store = state.store
