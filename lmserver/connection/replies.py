@@ -311,10 +311,6 @@ class Replies:
             self.pins += released.pins
             self.queued_bytes += sum(map(len, released.buffers))
 
-    @property
-    def acks_full(self) -> bool:
-        return self.acks_in_flight >= MAX_ACKS_IN_FLIGHT
-
     # -- writing ------------------------------------------------------------------------------
 
     def flush(self) -> None:
