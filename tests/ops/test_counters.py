@@ -22,10 +22,11 @@ def _pattern(node: ast.JoinedStr) -> re.Pattern[str]:
 def _counted_names() -> tuple[set[str], list[tuple[str, re.Pattern[str]]]]:
     """Counter names lmserver's server modules count: ``counters[<literal>]``, an f-string
     key, a ``counter=`` argument or default, ``_time_out(<name>, ...)``, and the reasons
-    admission.py turns into ``connections_refused_<reason>``."""
+    admission.py turns into ``connections_refused_<reason>``, and the sweep's verdicts (``IDLE``
+    and the keys of ``REASONS`` in connection/sweep.py)."""
     names: set[str] = set()
     patterns: list[tuple[str, re.Pattern[str]]] = []
-    for path in sorted(LMSERVER.glob("*.py")):
+    for path in sorted([*LMSERVER.glob("*.py"), *(LMSERVER / "connection").glob("*.py")]):
         tree = ast.parse(path.read_text(), str(path))
         for node in ast.walk(tree):
             if isinstance(node, ast.Subscript) and (
@@ -61,6 +62,13 @@ def _counted_names() -> tuple[set[str], list[tuple[str, re.Pattern[str]]]]:
                     and isinstance(default, ast.Constant)
                     and isinstance(default.value, str)
                 )
+            elif path.name == "sweep.py" and isinstance(node, ast.AnnAssign):
+                # The sweep's verdicts: IDLE and the keys of REASONS are the counters it bumps.
+                target = getattr(node.target, "id", None)
+                if target == "IDLE" and isinstance(node.value, ast.Constant):
+                    names.add(node.value.value)
+                elif target == "REASONS" and isinstance(node.value, ast.Dict):
+                    names.update(k.value for k in node.value.keys if isinstance(k, ast.Constant))
             elif path.name == "admission.py" and isinstance(node, ast.Assign):
                 target = [getattr(t, "id", None) for t in node.targets]
                 if target == ["reason"] and isinstance(node.value, ast.Constant):
