@@ -233,7 +233,7 @@ def write_object(fd: int, header: bytes, body: memoryview, *, direct: bool = Fal
     The one I/O function the tests may replace to simulate a failing disk.
     """
     if not direct:
-        _write_all(fd, [header, body])
+        write_all(fd, [header, body])
         return
     scratch = _bounce()
     head = scratch[: len(header)]
@@ -246,12 +246,12 @@ def write_object(fd: int, header: bytes, body: memoryview, *, direct: bool = Fal
         tail[:rest] = body[whole:]
         tail[rest:] = bytes(ALIGN - rest)  # not another object's bytes, even in freed blocks
         parts.append(tail)
-    _write_all(fd, parts)
+    write_all(fd, parts)
     os.ftruncate(fd, len(header) + len(body))
 
 
-def _write_all(fd: int, bufs: list[bytes | memoryview]) -> None:
-    offset = 0
+def write_all(fd: int, bufs: list[bytes | memoryview], offset: int = 0) -> None:
+    """Write ``bufs`` at ``offset`` whatever the kernel takes per call (``bufs`` is consumed)."""
     while bufs:
         n = os.pwritev(fd, bufs, offset)
         offset += n

@@ -194,17 +194,17 @@ async def test_space_comes_back_without_hole_punching(root: Path, monkeypatch: p
 async def test_enospc_on_write_is_declined_and_tier_keeps_serving(
     tier: DiskTier, root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_write = disk_writer._write_all
+    real_write = disk_writer.write_all
 
     def full_disk(fd: int, parts: list[disk_writer._Part], offset: int) -> None:
         os.pwrite(fd, bytes(4096), offset)  # a partial write is left behind, as a real one would
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     assert await tier.put("before", memoryview(b"ok"), META)
-    monkeypatch.setattr(disk_writer, "_write_all", full_disk)
+    monkeypatch.setattr(disk_writer, "write_all", full_disk)
     assert not await tier.put("k", memoryview(b"x" * 5000), META)
     assert not await tier.put("before", memoryview(b"replacement"), META)
-    monkeypatch.setattr(disk_writer, "_write_all", real_write)
+    monkeypatch.setattr(disk_writer, "write_all", real_write)
     await tier.settle()
     u = tier.usage()
     assert u.counters["out_of_space"] >= 2 and u.counters["inflight_bytes"] == 0
@@ -224,7 +224,7 @@ async def test_a_refused_direct_write_falls_back_to_buffered(
     try:
         if not t.direct_io:
             pytest.skip("this filesystem refuses O_DIRECT")
-        real_write = disk_writer._write_all
+        real_write = disk_writer.write_all
         calls: list[bool] = []
 
         def refuse_direct(fd: int, parts: list[disk_writer._Part], offset: int) -> None:
@@ -234,7 +234,7 @@ async def test_a_refused_direct_write_falls_back_to_buffered(
                 raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
             real_write(fd, parts, offset)
 
-        monkeypatch.setattr(disk_writer, "_write_all", refuse_direct)
+        monkeypatch.setattr(disk_writer, "write_all", refuse_direct)
         data = payload(1, 1 << 20)
         with capture_logs() as logs:
             assert await t.put("k", mapped(data), META)

@@ -30,7 +30,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import errno
-import fcntl
 import mmap
 import os
 import threading
@@ -42,7 +41,7 @@ import structlog
 
 from lmproto import ObjectMeta
 
-from .._diskfile import ALIGN, MAX_HEADER, checksum, encode_header
+from .._diskfile import ALIGN, MAX_HEADER, checksum, encode_header, write_all
 from .segments import SEGMENT_BYTES, Segment, SegmentSet
 
 log = structlog.get_logger(__name__)
@@ -432,7 +431,7 @@ class LogWriter:
         attempt = 0
         while True:
             try:
-                _write_all(fd, list(parts), offset)
+                write_all(fd, list(parts), offset)
                 return
             except OSError as exc:
                 if exc.errno in _NO_SPACE and attempt < NO_SPACE_RETRIES:
@@ -539,20 +538,6 @@ class _Syncer:
                         failed[segment.id] = exc
             for segment, appends in batch:
                 self._writer._complete(appends, failed[segment.id])
-
-
-def _write_all(fd: int, parts: list[memoryview | bytes], offset: int) -> None:
-    while parts:
-        n = os.pwritev(fd, parts, offset)
-        offset += n
-        while parts and n >= len(parts[0]):
-            n -= len(parts[0])
-            parts.pop(0)
-        if parts and n:
-            parts[0] = memoryview(parts[0])[n:]
-        if offset % ALIGN and parts:
-            # A short write that ended off a block boundary: O_DIRECT cannot go on from there.
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
 
 
 _thread_scratch = threading.local()
