@@ -183,10 +183,6 @@ class LMProtocol(Receiver):
     def small_reply(self, size: int) -> None:
         self.handlers.small_reply = size
 
-    @property
-    def closed(self) -> bool:
-        return self.phase.closed
-
     # -- connection lifecycle -------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:

@@ -286,25 +286,32 @@ def aligned(view: memoryview) -> bool:
     return ctypes.addressof(ctypes.c_char.from_buffer(view)) % ALIGN == 0
 
 
-def direct_io_works(directory: str) -> bool:
-    """Whether files in ``directory`` accept O_DIRECT writes (some filesystems do not, e.g.
-    tmpfs before Linux 6.6): one aligned block is written to a probe file, then removed."""
-    flag = getattr(os, "O_DIRECT", 0)
-    if not flag:
-        return False
-    probe = os.path.join(directory, f".direct-probe-{os.getpid()}-{threading.get_ident()}")
+def probe(directory: str, name: str, flags: int, trial: Callable[[int], object]) -> bool:
+    """Whether ``trial(fd)`` succeeds on a scratch file ``directory/.<name>-probe-...`` opened
+    with ``flags`` (and O_CREAT, O_TRUNC): what a file system supports is found by trying it.
+    The file is removed whatever happens."""
+    path = os.path.join(directory, f".{name}-probe-{os.getpid()}-{threading.get_ident()}")
     try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | flag, 0o644)
+        fd = os.open(path, flags | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         try:
-            os.pwrite(fd, _bounce()[:ALIGN], 0)
+            trial(fd)
         finally:
             os.close(fd)
     except OSError:
         return False
     finally:
         with contextlib.suppress(OSError):
-            os.unlink(probe)
+            os.unlink(path)
     return True
+
+
+def direct_io_works(directory: str) -> bool:
+    """Whether files in ``directory`` accept O_DIRECT writes (some filesystems do not, e.g.
+    tmpfs before Linux 6.6): one aligned block is written to a probe file, then removed."""
+    flag = getattr(os, "O_DIRECT", 0)
+    return bool(flag) and probe(
+        directory, "direct", os.O_WRONLY | flag, lambda fd: os.pwrite(fd, _bounce()[:ALIGN], 0)
+    )
 
 
 def read_header_at(path: str) -> tuple[Header, int]:

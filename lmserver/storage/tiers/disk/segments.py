@@ -30,7 +30,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 
-from .._diskfile import ALIGN
+from .._diskfile import ALIGN, probe
 
 SEGMENT_BYTES = 1 << 30
 """Logical size at which the writer starts a new segment. Segments are sparse (evicted
@@ -59,20 +59,12 @@ def punch_hole(fd: int, offset: int, length: int) -> None:
 
 def punch_works(directory: str) -> bool:
     """Whether files in ``directory`` support hole punching: probed on a scratch file."""
-    probe = os.path.join(directory, f".punch-probe-{os.getpid()}-{threading.get_ident()}")
-    try:
-        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-        try:
-            os.pwrite(fd, bytes(2 * ALIGN), 0)
-            punch_hole(fd, 0, ALIGN)
-        finally:
-            os.close(fd)
-    except OSError:
-        return False
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(probe)
-    return True
+
+    def trial(fd: int) -> None:
+        os.pwrite(fd, bytes(2 * ALIGN), 0)
+        punch_hole(fd, 0, ALIGN)
+
+    return probe(directory, "punch", os.O_RDWR, trial)
 
 
 def data_ranges(fd: int, start: int, end: int) -> Iterator[tuple[int, int]]:
